@@ -1,0 +1,39 @@
+"""Shared fixtures: the tiny model pair, the upstream wheel tree, vLLM's CPU settings."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+# vLLM on a CPU-only machine: a small KV cache, and the engine in this process.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 target and DFlash drafter (scripts/make_tiny_models.py)."""
+    import make_tiny_models
+
+    out = tmp_path_factory.mktemp("tiny")
+    make_tiny_models.make(out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def upstream_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``vllm/*.py`` tree of the official CUDA wheel of the pinned release."""
+    import zipfile
+
+    from vllm_ddtree.upstream import extract_from_wheel, fetch_wheel, pinned_version
+
+    wheel = fetch_wheel(pinned_version())
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+    return extract_from_wheel(wheel, tmp_path_factory.mktemp("upstream"), names)

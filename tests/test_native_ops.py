@@ -1,0 +1,89 @@
+"""The native op pipeline: vllm_ddtree._C builds, registers its ops with fake implementations,
+runs on CPU like its Python reference, rejects bad input by name, and every CUDA source
+compiles with nvcc (without a GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_ddtree import ops
+
+REPO = Path(__file__).resolve().parent.parent
+I32, I64 = torch.int32, torch.int64
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_reqs=st.integers(0, 8), num_nodes=st.integers(0, 70), seed=st.integers(0, 2**31),
+       depth_dtype=st.sampled_from([I32, I64]))
+def test_tree_positions_matches_reference(num_reqs, num_nodes, seed, depth_dtype) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(0, 1 << 20, (num_reqs,), generator=gen)
+    depths = torch.randint(0, 17, (num_reqs, num_nodes), generator=gen).to(depth_dtype)
+    got = ops.tree_positions(seq_lens, depths)
+    assert got.dtype == I64 and got.shape == (num_reqs, num_nodes)
+    assert torch.equal(got, ops.tree_positions_reference(seq_lens, depths))
+
+
+def test_tree_positions_non_contiguous_input() -> None:
+    seq_lens = torch.arange(0, 40, 2)[::4]
+    depths = torch.arange(50, dtype=I32).reshape(5, 10)[:, ::2]
+    assert not depths.is_contiguous()
+    assert torch.equal(ops.tree_positions(seq_lens, depths),
+                       ops.tree_positions_reference(seq_lens, depths))
+
+
+@pytest.mark.parametrize("seq_lens, depths, message", [
+    (torch.zeros(2, 1, dtype=I64), torch.zeros(2, 3, dtype=I32), "seq_lens must be 1-D"),
+    (torch.zeros(2, dtype=I64), torch.zeros(6, dtype=I32), "depths must be 2-D"),
+    (torch.zeros(2, dtype=I32), torch.zeros(2, 3, dtype=I32), "seq_lens must be int64"),
+    (torch.zeros(2, dtype=I64), torch.zeros(2, 3), "depths must be int32 or int64"),
+    (torch.zeros(3, dtype=I64), torch.zeros(2, 3, dtype=I32), "depths has 2 rows"),
+])
+def test_tree_positions_rejects_bad_input_by_name(seq_lens, depths, message) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        ops.tree_positions(seq_lens, depths)
+
+
+def test_fake_implementation_gives_shape_without_data() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = ops.tree_positions(torch.empty(4, dtype=I64), torch.empty(4, 9, dtype=I32))
+    assert out.shape == (4, 9) and out.dtype == I64
+
+
+def test_op_traces_into_one_graph() -> None:
+    def step(seq_lens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        return ops.tree_positions(seq_lens, depths) * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    seq_lens, depths = torch.tensor([3, 7]), torch.tensor([[0, 1, 1], [0, 1, 2]])
+    assert torch.equal(compiled(seq_lens, depths), step(seq_lens, depths))
+
+
+def test_plugin_entry_point_registers_ops_idempotently() -> None:
+    from importlib.metadata import entry_points
+
+    import vllm_ddtree
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "ddtree"]
+    assert ep.value == "vllm_ddtree:register"
+    register = ep.load()
+    register()
+    register()
+    assert vllm_ddtree._registered and hasattr(torch.ops.vllm_ddtree, "tree_positions")
+
+
+def test_every_cuda_source_compiles_with_nvcc() -> None:
+    result = subprocess.run([sys.executable, str(REPO / "scripts/check_cuda_compile.py")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sources = list((REPO / "csrc").rglob("*.cu"))
+    assert sources and f"compiled {len(sources)} CUDA file(s)" in result.stdout

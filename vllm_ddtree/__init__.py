@@ -6,14 +6,24 @@ in every process it starts; ``register`` must therefore be cheap and idempotent.
 
 from __future__ import annotations
 
+import logging
+
+# Under "vllm." so that vLLM's logging configuration formats and shows it.
+logger = logging.getLogger("vllm.ddtree")
 _registered = False
 
 
 def register() -> None:
-    """vLLM's plugin hook: load the native ops once per process."""
+    """vLLM's plugin hook: load the native ops once per process, check the patch series."""
     global _registered
     if _registered:
         return
     from vllm_ddtree import ops  # noqa: F401  (registers torch.ops.vllm_ddtree.*)
+    from vllm_ddtree.patching.installer import STATE_DIR
+    from vllm_ddtree.upstream import installed_vllm_root
 
+    if not (installed_vllm_root() / STATE_DIR / "state.json").is_file():
+        logger.warning("vllm-ddtree: the patch series is not applied to this vLLM; "
+                       "run `vllm-ddtree patches apply`")
+    logger.info("vllm-ddtree plugin registered (native ops loaded)")
     _registered = True

@@ -1,6 +1,5 @@
 """The patch series tool: applies ``patches/series`` to an installed vLLM, safely."""
 
-from vllm_ddtree.patching.series import Patch, PatchError, read_series
 from vllm_ddtree.patching.installer import (
     PatchState,
     apply_series,
@@ -8,6 +7,7 @@ from vllm_ddtree.patching.installer import (
     revert_series,
     series_status,
 )
+from vllm_ddtree.patching.series import Patch, PatchError, read_series
 
 __all__ = [
     "Patch",

@@ -1,0 +1,221 @@
+// CUDA implementations of the vllm_ddtree ops. Same signatures and results as csrc/cpu/;
+// none synchronizes with the host or allocates a data-dependent shape, so each can run
+// inside a captured CUDA graph. Bad values inside tensors are guarded, never dereferenced.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../tree.h"
+#include "../tree_checks.h"
+
+namespace vllm_ddtree {
+namespace {
+
+constexpr int kThreads = 128;
+
+__global__ void tree_positions_kernel(const int64_t* __restrict__ seq_lens,
+                                      const int64_t* __restrict__ depths,
+                                      int64_t* __restrict__ positions, int64_t num_nodes,
+                                      int64_t total) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx < total) positions[idx] = seq_lens[idx / num_nodes] + depths[idx];
+}
+
+// One block per request: thread 0 runs the best-first heap (in shared memory), then every
+// thread fills ancestor masks of its nodes by walking their parent chains (depth <= L).
+__global__ void build_tree_kernel(const int64_t* __restrict__ roots,
+                                  const float* __restrict__ logprobs,
+                                  const int64_t* __restrict__ ids, int32_t L, int32_t K,
+                                  int32_t budget, bool spine, int64_t* token_ids,
+                                  int32_t* parents, int32_t* depths, int32_t* first_child,
+                                  int32_t* next_sibling, int32_t* mask, float* scores) {
+  extern __shared__ unsigned char smem[];
+  const int32_t N = budget + 1, W = (N + 31) / 32;
+  const int64_t r = blockIdx.x;
+  auto* heap = reinterpret_cast<Candidate*>(smem);
+  auto* last_child = reinterpret_cast<int32_t*>(heap + N);
+  if (threadIdx.x == 0) {
+    TreeRows rows{token_ids + r * N, parents + r * N,      depths + r * N, first_child + r * N,
+                  next_sibling + r * N, scores + r * N, last_child};
+    build_one_tree(logprobs + r * L * K, ids + r * L * K, L, K, budget, spine, roots[r], heap,
+                   rows);
+  }
+  __syncthreads();
+  const int32_t* par = parents + r * N;
+  for (int32_t i = threadIdx.x; i < N; i += blockDim.x) {
+    int32_t* m = mask + (r * N + i) * W;
+    for (int32_t w = 0; w < W; ++w) m[w] = 0;
+    for (int32_t j = i, hops = 0; j >= 0 && j < N && hops <= N; j = par[j], ++hops) {
+      m[j / 32] |= static_cast<int32_t>(1u << (j % 32));
+    }
+  }
+}
+
+__global__ void verify_tree_kernel(const int64_t* token_ids, const int32_t* first_child,
+                                   const int32_t* next_sibling, const int64_t* target_tokens,
+                                   int64_t R, int32_t N, int32_t D, int32_t* accepted,
+                                   int32_t* num_accepted, int64_t* output_tokens) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= R) return;
+  num_accepted[r] = verify_one_tree(token_ids + r * N, first_child + r * N,
+                                    next_sibling + r * N, target_tokens + r * N, N, D,
+                                    accepted + r * D, output_tokens + r * (D + 1));
+}
+
+// Geometry of one cache (4-D [num_blocks, heads, block_size, C], any strides) or, with
+// block_size 1 and heads 1, of a hidden-state matrix addressed by row.
+struct Entries {
+  int64_t block_size, s_block, s_head, s_offset, s_c, heads, c, capacity;
+};
+
+// One block per request; accepted nodes move in path order (a later source is never an
+// earlier destination), one entry at a time across the block's threads.
+template <typename word_t>
+__global__ void compact_kernel(word_t* data, Entries e, const int64_t* slot_mapping,
+                               int64_t num_slots, const int64_t* query_start,
+                               const int32_t* accepted, const int32_t* num_accepted,
+                               int32_t D) {
+  const int64_t r = blockIdx.x;
+  const int64_t start = query_start[r], len = query_start[r + 1] - start;
+  const int32_t n = num_accepted[r];
+  for (int32_t j = 0; j < n && j < D && j + 1 < len; ++j) {
+    const int64_t node = accepted[r * D + j];
+    if (node <= j + 1 || node >= len) continue;  // in place already, or malformed
+    int64_t src = start + node, dst = start + j + 1;
+    if (slot_mapping != nullptr) {
+      if (src >= num_slots) continue;
+      src = slot_mapping[src];
+      dst = slot_mapping[dst];
+    }
+    if (src < 0 || dst < 0 || src >= e.capacity || dst >= e.capacity) continue;
+    const int64_t s = (src / e.block_size) * e.s_block + (src % e.block_size) * e.s_offset;
+    const int64_t d = (dst / e.block_size) * e.s_block + (dst % e.block_size) * e.s_offset;
+    for (int64_t k = threadIdx.x; k < e.heads * e.c; k += blockDim.x) {
+      const int64_t off = (k / e.c) * e.s_head + (k % e.c) * e.s_c;
+      data[d + off] = data[s + off];
+    }
+    __syncthreads();
+  }
+}
+
+void launch_compact(const at::Tensor& t, const Entries& e, const int64_t* slots,
+                    int64_t num_slots, const at::Tensor& qs, const at::Tensor& acc,
+                    const at::Tensor& num, cudaStream_t stream) {
+  const int64_t R = acc.size(0);
+  if (R == 0 || e.heads * e.c == 0) return;
+  auto go = [&](auto* data) {
+    compact_kernel<<<R, 256, 0, stream>>>(data, e, slots, num_slots, qs.data_ptr<int64_t>(),
+                                          acc.data_ptr<int32_t>(), num.data_ptr<int32_t>(),
+                                          static_cast<int32_t>(acc.size(1)));
+  };
+  switch (t.element_size()) {  // bit copies: the element type does not matter, its width does
+    case 1: go(static_cast<uint8_t*>(t.data_ptr())); break;
+    case 2: go(static_cast<uint16_t*>(t.data_ptr())); break;
+    case 4: go(static_cast<uint32_t*>(t.data_ptr())); break;
+    case 8: go(static_cast<uint64_t*>(t.data_ptr())); break;
+    default: TORCH_CHECK(false, "compact_tree: unsupported element size ", t.element_size());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+at::Tensor tree_positions_cuda(const at::Tensor& seq_lens, const at::Tensor& depths) {
+  check_tree_positions_args(seq_lens, depths);
+  const c10::cuda::CUDAGuard guard(seq_lens.device());
+  const auto lens = seq_lens.contiguous();
+  const auto deps = depths.to(at::kLong).contiguous();
+  auto positions = at::empty(deps.sizes(), lens.options());
+  const int64_t total = deps.numel();
+  if (total == 0) return positions;
+  const auto blocks = static_cast<unsigned int>((total + kThreads - 1) / kThreads);
+  tree_positions_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      lens.data_ptr<int64_t>(), deps.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+      deps.size(1), total);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return positions;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
+                const at::Tensor& topk_ids, int64_t budget, bool spine) {
+  check_build_args(root_tokens, topk_logprobs, topk_ids, budget);
+  const c10::cuda::CUDAGuard guard(topk_logprobs.device());
+  const int64_t R = topk_logprobs.size(0), L = topk_logprobs.size(1), K = topk_logprobs.size(2);
+  const int64_t N = budget + 1, W = (N + 31) / 32;
+  const auto lp = topk_logprobs.contiguous();
+  const auto ids = topk_ids.contiguous();
+  const auto roots = root_tokens.contiguous();
+  const auto i32 = lp.options().dtype(at::kInt);
+  auto token_ids = at::empty({R, N}, ids.options());
+  auto parents = at::empty({R, N}, i32), depths = at::empty({R, N}, i32);
+  auto first_child = at::empty({R, N}, i32), next_sibling = at::empty({R, N}, i32);
+  auto mask = at::empty({R, N, W}, i32);
+  auto scores = at::empty({R, N}, lp.options());
+  if (R > 0) {
+    const size_t smem = N * (sizeof(Candidate) + sizeof(int32_t));
+    build_tree_kernel<<<R, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
+        roots.data_ptr<int64_t>(), lp.data_ptr<float>(), ids.data_ptr<int64_t>(), L, K,
+        budget, spine, token_ids.data_ptr<int64_t>(), parents.data_ptr<int32_t>(),
+        depths.data_ptr<int32_t>(), first_child.data_ptr<int32_t>(),
+        next_sibling.data_ptr<int32_t>(), mask.data_ptr<int32_t>(), scores.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {token_ids, parents, depths, first_child, next_sibling, mask, scores};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
+    const at::Tensor& token_ids, const at::Tensor& first_child, const at::Tensor& next_sibling,
+    const at::Tensor& target_tokens, int64_t max_depth) {
+  check_verify_args(token_ids, first_child, next_sibling, target_tokens, max_depth);
+  const c10::cuda::CUDAGuard guard(token_ids.device());
+  const int64_t R = token_ids.size(0), N = token_ids.size(1), D = max_depth;
+  const auto tok = token_ids.contiguous(), fc = first_child.contiguous();
+  const auto ns = next_sibling.contiguous(), tgt = target_tokens.contiguous();
+  auto accepted = at::empty({R, D}, fc.options());
+  auto num_accepted = at::empty({R}, fc.options());
+  auto output_tokens = at::empty({R, D + 1}, tok.options());
+  if (R > 0) {
+    const auto blocks = static_cast<unsigned int>((R + kThreads - 1) / kThreads);
+    verify_tree_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        tok.data_ptr<int64_t>(), fc.data_ptr<int32_t>(), ns.data_ptr<int32_t>(),
+        tgt.data_ptr<int64_t>(), R, N, D, accepted.data_ptr<int32_t>(),
+        num_accepted.data_ptr<int32_t>(), output_tokens.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {accepted, num_accepted, output_tokens};
+}
+
+void compact_tree_cuda(at::TensorList kv_caches, const at::Tensor& hidden_states,
+                       const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                       const at::Tensor& accepted, const at::Tensor& num_accepted) {
+  check_compact_args(kv_caches, hidden_states, slot_mapping, query_start_loc, accepted,
+                     num_accepted);
+  const c10::cuda::CUDAGuard guard(accepted.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto qs = query_start_loc.to(at::kLong).contiguous();
+  const auto acc = accepted.contiguous(), num = num_accepted.contiguous();
+  const auto slots = slot_mapping.contiguous();
+  for (const auto& cache : kv_caches) {
+    const Entries e{cache.size(2),  cache.stride(0), cache.stride(1), cache.stride(2),
+                    cache.stride(3), cache.size(1),  cache.size(3),
+                    cache.size(0) * cache.size(2)};
+    launch_compact(cache, e, slots.data_ptr<int64_t>(), slots.size(0), qs, acc, num, stream);
+  }
+  if (hidden_states.numel() > 0) {
+    const Entries e{1, hidden_states.stride(0), 0, 0, hidden_states.stride(1), 1,
+                    hidden_states.size(1), hidden_states.size(0)};
+    launch_compact(hidden_states, e, nullptr, 0, qs, acc, num, stream);
+  }
+}
+
+TORCH_LIBRARY_IMPL(vllm_ddtree, CUDA, m) {
+  m.impl("tree_positions", &tree_positions_cuda);
+  m.impl("build_tree", &build_tree_cuda);
+  m.impl("verify_tree", &verify_tree_cuda);
+  m.impl("compact_tree", &compact_tree_cuda);
+}
+
+}  // namespace vllm_ddtree

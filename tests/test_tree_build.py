@@ -1,0 +1,170 @@
+"""build_tree: the CPU op equals the Python reference, selects the B most probable prefixes,
+keeps the layout's invariants, and lays the greedy spine when asked."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tree_cases import num_prefixes, random_topk
+
+from vllm_ddtree import ops, reference
+from vllm_ddtree.tree import MAX_BUDGET, topk_ranked
+
+
+@st.composite
+def build_cases(draw, max_depth=16, max_vocab=300, max_reqs=4):
+    depth = draw(st.integers(1, max_depth))
+    vocab = draw(st.sampled_from([1, 2, 3, 5, 17, 64, max_vocab]))
+    k = draw(st.integers(1, vocab))
+    budget = draw(st.integers(1, min(MAX_BUDGET, num_prefixes(depth, k))))
+    return dict(seed=draw(st.integers(0, 2**32 - 1)), num_reqs=draw(st.integers(1, max_reqs)),
+                depth=depth, vocab=vocab, k=k, budget=budget, ties=draw(st.booleans()),
+                spine=draw(st.booleans()))
+
+
+def assert_same_trees(got, want) -> None:
+    for name, a, b in zip(got._fields, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), f"{name} differs"
+
+
+@settings(max_examples=1500, deadline=None)
+@given(case=build_cases())
+def test_build_matches_reference(case) -> None:
+    roots, logprobs, ids = random_topk(case["seed"], case["num_reqs"], case["depth"],
+                                       case["vocab"], case["k"], case["ties"])
+    got = ops.build_tree(roots, logprobs, ids, case["budget"], case["spine"])
+    assert_same_trees(got, reference.build_tree(roots, logprobs, ids, case["budget"],
+                                                case["spine"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), budget=st.sampled_from([1, 16, 64, 256, 1024]),
+       depth=st.integers(1, 16), spine=st.booleans())
+def test_build_from_logits_matches_reference(seed, budget, depth, spine) -> None:
+    logits = torch.randn(2, depth, 2000, generator=torch.Generator().manual_seed(seed))
+    roots = torch.tensor([5, 7])
+    got = ops.build_tree_from_logits(roots, logits, budget, spine)
+    logprobs, ids = topk_ranked(logits, budget)
+    assert_same_trees(got, reference.build_tree(roots, logprobs, ids, budget, spine))
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=build_cases(max_depth=4, max_vocab=4))
+def test_best_first_tree_is_optimal(case) -> None:
+    """The selected prefixes score exactly the B best of all prefixes (brute force)."""
+    roots, logprobs, ids = random_topk(case["seed"], 1, case["depth"], case["vocab"],
+                                       case["k"], case["ties"])
+    trees = ops.build_tree(roots, logprobs, ids, case["budget"], spine=False)
+    lp = logprobs[0].numpy()
+    every = []
+    for d in range(1, case["depth"] + 1):
+        for ranks in itertools.product(range(case["k"]), repeat=d):
+            score = np.float32(0)
+            for pos, rank in enumerate(ranks):
+                score = np.float32(score + lp[pos, rank])
+            every.append(score)
+    best = sorted(every, reverse=True)[:case["budget"]]
+    chosen = sorted(trees.scores[0, 1:].tolist(), reverse=True)
+    assert chosen == [float(s) for s in best]
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=build_cases(max_depth=8, max_vocab=64))
+def test_tree_invariants(case) -> None:
+    roots, logprobs, ids = random_topk(case["seed"], case["num_reqs"], case["depth"],
+                                       case["vocab"], case["k"], case["ties"])
+    t = ops.build_tree(roots, logprobs, ids, case["budget"], case["spine"])
+    N = case["budget"] + 1
+    for r in range(case["num_reqs"]):
+        par, dep, tok = t.parents[r].tolist(), t.depths[r].tolist(), t.token_ids[r].tolist()
+        assert par[0] == -1 and dep[0] == 0 and tok[0] == roots[r]
+        children: dict[int, list[int]] = {}
+        for i in range(1, N):
+            assert 0 <= par[i] < i, "parents precede children"
+            assert dep[i] == dep[par[i]] + 1 <= case["depth"]
+            assert tok[i] in ids[r, dep[i] - 1].tolist()
+            assert t.scores[r, i] <= t.scores[r, par[i]]
+            children.setdefault(par[i], []).append(i)
+        for p, kids in children.items():
+            assert len({tok[k] for k in kids}) == len(kids), "siblings are distinct tokens"
+            assert t.first_child[r, p] == kids[0]
+            assert [t.next_sibling[r, k].item() for k in kids] == kids[1:] + [-1]
+        for i in range(N):
+            ancestors, j = set(), i
+            while j >= 0:
+                ancestors.add(j)
+                j = par[j]
+            words = t.ancestor_mask[r, i].view(torch.uint32).tolist() if hasattr(
+                torch, "uint32") else t.ancestor_mask[r, i].tolist()
+            bits = {w * 32 + b for w, word in enumerate(words) for b in range(32)
+                    if (word >> b) & 1}
+            assert bits == ancestors
+
+
+@pytest.mark.parametrize("spine", [False, True])
+def test_spine_lays_the_rank0_chain_first(spine) -> None:
+    # Depth 1 is very sure of two tokens, deeper positions are flat: best-first spends the
+    # budget on depth-1 siblings and omits most of the chain; the spine keeps it.
+    logits = torch.zeros(1, 6, 50)
+    logits[0, 0, 3], logits[0, 0, 4] = 20.0, 19.9
+    logits[0, 1:, 7] = 1.0
+    trees = ops.build_tree_from_logits(torch.tensor([1]), logits, budget=6, spine=spine)
+    chain_tokens = [3, 7, 7, 7, 7, 7]
+    if spine:
+        assert trees.token_ids[0, 1:].tolist() == chain_tokens
+        assert trees.parents[0].tolist() == [-1, 0, 1, 2, 3, 4, 5]
+    else:
+        assert trees.depths[0].max() < 6
+
+
+@pytest.mark.parametrize("spine", [False, True])
+def test_budget_one_is_the_first_chain_token(spine) -> None:
+    logits = torch.randn(3, 5, 100, generator=torch.Generator().manual_seed(1))
+    trees = ops.build_tree_from_logits(torch.tensor([1, 2, 3]), logits, budget=1, spine=spine)
+    assert trees.token_ids[:, 1].tolist() == logits[:, 0].argmax(-1).tolist()
+    assert trees.parents[:, 1].tolist() == [0, 0, 0]
+
+
+def test_ties_follow_the_documented_rule() -> None:
+    # All log-probs equal: score ties everywhere. Rule: parent index, then rank.
+    logprobs = torch.zeros(1, 2, 3)
+    ids = torch.tensor([[[10, 11, 12], [20, 21, 22]]])
+    trees = ops.build_tree(torch.tensor([0]), logprobs, ids, budget=7, spine=False)
+    # Root's children first (parent 0, ranks 0..2), then node 1's children by rank.
+    assert trees.token_ids[0].tolist() == [0, 10, 11, 12, 20, 21, 22, 20]
+    assert trees.parents[0].tolist() == [-1, 0, 0, 0, 1, 1, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget=0), "argument 'budget' must be in \\[1, 1024\\]"),
+    (dict(budget=1025), "argument 'budget' must be in \\[1, 1024\\]"),
+    (dict(budget=100, k=2, depth=3), "argument 'budget' is 100, but depth 3 with top-2"),
+    (dict(logprobs_dtype=torch.float16), "argument 'topk_logprobs' has wrong dtype"),
+    (dict(ids_dtype=torch.int32), "argument 'topk_ids' has wrong dtype"),
+    (dict(ids_shape=(2, 3, 3)), "argument 'topk_ids' must have the shape of topk_logprobs"),
+    (dict(roots_shape=(3,)), "argument 'root_tokens' has size 3"),
+    (dict(logprobs_device="meta"), "argument 'topk_ids' must be on meta like 'topk_logprobs'"),
+    (dict(flat=True), "argument 'topk_logprobs' must be 3-D"),
+])
+def test_build_rejects_bad_input_by_name(kwargs, message) -> None:
+    depth, k = kwargs.get("depth", 4), kwargs.get("k", 4)
+    logprobs = torch.zeros(2, depth, k, dtype=kwargs.get("logprobs_dtype", torch.float32),
+                           device=kwargs.get("logprobs_device", "cpu"))
+    ids = torch.zeros(kwargs.get("ids_shape", (2, depth, k)),
+                      dtype=kwargs.get("ids_dtype", torch.int64))
+    roots = torch.zeros(kwargs.get("roots_shape", (2,)), dtype=torch.int64)
+    if kwargs.get("flat"):
+        logprobs = logprobs.flatten(1)
+    with pytest.raises(RuntimeError, match=message):
+        ops.build_tree(roots, logprobs, ids, kwargs.get("budget", 8))
+
+
+def test_build_from_logits_names_a_bad_logits_shape() -> None:
+    with pytest.raises(ValueError, match="argument 'logits' must be 3-D"):
+        ops.build_tree_from_logits(torch.tensor([0]), torch.zeros(1, 100), budget=4)

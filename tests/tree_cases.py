@@ -1,0 +1,48 @@
+"""Random inputs for the tree-op tests: top-k log-probs with ties, trees, target choices.
+
+Every case comes from one integer seed, which hypothesis prints for a failing case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree import ops
+from vllm_ddtree.tree import DraftTrees
+
+
+def num_prefixes(depth: int, k: int) -> int:
+    return sum(k ** d for d in range(1, depth + 1))
+
+
+def random_topk(seed: int, num_reqs: int, depth: int, vocab: int, k: int,
+                ties: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank-sorted top-k log-probs and distinct ids per (request, depth), and root tokens.
+
+    With ``ties`` the log-probs take few distinct values, so equal scores are common.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_reqs, depth, vocab, generator=gen) * 2
+    if ties:
+        logits = torch.round(logits)
+    logprobs, ids = ops.topk_ranked(logits, k)
+    if ties:
+        logprobs = torch.round(logprobs)  # exact small integers: many equal prefix sums
+    roots = torch.randint(0, vocab, (num_reqs,), generator=gen)
+    return roots, logprobs, ids
+
+
+def follow_choices(trees: DraftTrees, seed: int, p_follow: float) -> torch.Tensor:
+    """Target choices per node: with probability p_follow one of the node's children's
+    tokens (so walks go deep), else a random token (a likely miss)."""
+    gen = torch.Generator().manual_seed(seed)
+    R, N = trees.token_ids.shape
+    choices = torch.randint(0, 50, (R, N), generator=gen)
+    parents = trees.parents
+    for r in range(R):
+        for node in range(N):
+            kids = (parents[r] == node).nonzero().flatten()
+            if len(kids) and torch.rand((), generator=gen) < p_follow:
+                pick = kids[torch.randint(0, len(kids), (), generator=gen)]
+                choices[r, node] = trees.token_ids[r, pick]
+    return choices

@@ -1,0 +1,138 @@
+"""compact_tree: accepted nodes' KV entries (paged caches of any vLLM 0.32 layout) and hidden
+rows land bit-identical in the slots right after the root; nothing else is touched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tree_cases import follow_choices, random_topk
+
+from vllm_ddtree import ops, reference
+
+# Physical orders of a layer's logical [num_blocks, heads, block_size, C] view, as in
+# vllm/v1/kv_cache_layout.py (the layer axis dropped): BHNC and BNHC.
+LAYOUTS = {"BHNC": (0, 1, 2, 3), "BNHC": (0, 2, 1, 3)}
+
+
+def make_cache(gen, num_blocks, heads, block_size, width, dtype, layout) -> torch.Tensor:
+    physical = [num_blocks, heads, block_size, width]
+    order = LAYOUTS[layout]
+    data = torch.randn([physical[i] for i in order], generator=gen).to(dtype)
+    inverse = [order.index(i) for i in range(4)]
+    return data.permute(inverse)  # logical view, physical strides
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@st.composite
+def compact_cases(draw):
+    return dict(seed=draw(st.integers(0, 2**32 - 1)), num_reqs=draw(st.integers(1, 5)),
+                depth=draw(st.integers(1, 8)), budget=draw(st.sampled_from([1, 3, 8, 20, 40])),
+                block_size=draw(st.sampled_from([16, 32])),
+                dtype=draw(st.sampled_from([torch.float32, torch.bfloat16,
+                                            torch.float8_e4m3fn])),
+                layout=draw(st.sampled_from(sorted(LAYOUTS))),
+                p_follow=draw(st.sampled_from([0.3, 0.9, 1.0])),
+                plain=draw(st.integers(0, 2)))  # requests without a tree (prefill/decode)
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=compact_cases())
+def test_compact_moves_accepted_entries_and_nothing_else(case) -> None:
+    gen = torch.Generator().manual_seed(case["seed"])
+    R, B = case["num_reqs"], min(case["budget"], sum(8 ** d for d in range(1, 9)))
+    roots, logprobs, ids = random_topk(case["seed"], R, case["depth"], 8, 8, ties=False)
+    B = min(B, sum(8 ** d for d in range(1, case["depth"] + 1)))
+    trees = ops.build_tree(roots, logprobs, ids, B, spine=False)
+    verdict = ops.verify_tree(trees, follow_choices(trees, case["seed"], case["p_follow"]),
+                              case["depth"])
+    # Requests without a tree sit between tree requests with no accepted nodes.
+    lens = [B + 1] * R + [int(torch.randint(1, 9, (), generator=gen))
+                          for _ in range(case["plain"])]
+    order = torch.randperm(len(lens), generator=gen).tolist()
+    lens = [lens[i] for i in order]
+    pad = torch.full((case["plain"], case["depth"]), -1, dtype=torch.int32)
+    accepted = torch.cat([verdict.accepted, pad])[order]
+    num_accepted = torch.cat([verdict.num_accepted,
+                              torch.zeros(case["plain"], dtype=torch.int32)])[order]
+    query_start_loc = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    total = int(query_start_loc[-1])
+
+    bs = case["block_size"]
+    num_blocks = total // bs + 3
+    caches = [make_cache(gen, num_blocks, 2, bs, 16, case["dtype"], case["layout"])
+              for _ in range(2)]
+    slot_mapping = torch.randperm(num_blocks * bs, generator=gen)[:total]
+    hidden = torch.randn(total, 24, generator=gen).to(torch.bfloat16)
+
+    before = [c.clone() for c in caches], hidden.clone()
+    want_caches, want_hidden = [c.clone() for c in caches], hidden.clone()
+    reference.compact_tree(want_caches, want_hidden, slot_mapping, query_start_loc,
+                           accepted, num_accepted)
+    ops.compact_tree(caches, hidden, slot_mapping, query_start_loc,
+                     ops.Verdict(accepted, num_accepted, None))
+    for got, want in zip(caches, want_caches):
+        assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(hidden), bits(want_hidden))
+
+    # Direct statement of the contract, independent of the reference.
+    moved_slots, moved_rows = set(), set()
+    for r in range(len(lens)):
+        start = int(query_start_loc[r])
+        for j in range(int(num_accepted[r])):
+            src, dst = start + int(accepted[r, j]), start + j + 1
+            moved_rows.add(dst)
+            s, d = int(slot_mapping[src]), int(slot_mapping[dst])
+            moved_slots.add(d)
+            for old, new in zip(before[0], caches):
+                assert torch.equal(bits(new[d // bs, :, d % bs]), bits(old[s // bs, :, s % bs]))
+            assert torch.equal(bits(hidden[dst]), bits(before[1][src]))
+    for old, new in zip(before[0], caches):
+        for slot in range(num_blocks * bs):
+            if slot not in moved_slots:
+                assert torch.equal(bits(new[slot // bs, :, slot % bs]),
+                                   bits(old[slot // bs, :, slot % bs]))
+    untouched = [i for i in range(total) if i not in moved_rows]
+    assert torch.equal(bits(hidden[untouched]), bits(before[1][untouched]))
+
+
+def test_in_order_path_copies_nothing() -> None:
+    cache = torch.arange(2 * 1 * 16 * 4, dtype=torch.float32).reshape(2, 1, 16, 4)
+    hidden = torch.arange(12.0).reshape(4, 3)
+    before = cache.clone(), hidden.clone()
+    # A chain: nodes 1, 2, 3 accepted are already at rows/slots 1, 2, 3.
+    verdict = ops.Verdict(torch.tensor([[1, 2, 3]], dtype=torch.int32),
+                          torch.tensor([3], dtype=torch.int32), None)
+    ops.compact_tree([cache], hidden, torch.tensor([5, 6, 7, 8]),
+                     torch.tensor([0, 4], dtype=torch.int32), verdict)
+    assert torch.equal(cache, before[0]) and torch.equal(hidden, before[1])
+
+
+def args(**change):
+    base = dict(kv_caches=[torch.zeros(2, 1, 16, 4)], hidden_states=torch.zeros(4, 3),
+                slot_mapping=torch.arange(4), query_start_loc=torch.tensor([0, 4]),
+                accepted=torch.tensor([[2, -1]], dtype=torch.int32),
+                num_accepted=torch.tensor([1], dtype=torch.int32))
+    return list((base | change).values())
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(accepted=torch.tensor([[9, -1]], dtype=torch.int32)), "argument 'accepted'"),
+    (dict(accepted=torch.tensor([[0, -1]], dtype=torch.int32)), "argument 'accepted'"),
+    (dict(num_accepted=torch.tensor([3], dtype=torch.int32)), "argument 'num_accepted'"),
+    (dict(slot_mapping=torch.tensor([0, 1, 99, 3])), "argument 'slot_mapping'"),
+    (dict(slot_mapping=torch.tensor([0, 1])), "argument 'slot_mapping'"),
+    (dict(kv_caches=[torch.zeros(2, 16, 4)]), "argument 'kv_caches'"),
+    (dict(query_start_loc=torch.tensor([0, 2, 4])), "argument 'query_start_loc'"),
+    (dict(accepted=torch.tensor([[2, -1]])), "argument 'accepted' has wrong dtype"),
+    (dict(hidden_states=torch.zeros(2, 3)), "argument 'hidden_states'"),
+    (dict(num_accepted=torch.tensor([1], dtype=torch.int32, device="meta")),
+     "argument 'num_accepted' must be on cpu"),
+])
+def test_compact_rejects_bad_input_by_name(change, message) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.vllm_ddtree.compact_tree(*args(**change))

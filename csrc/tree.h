@@ -3,6 +3,7 @@
 // and the selection and tie rules are documented once, in vllm_ddtree/tree.py.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 #ifdef __CUDACC__
 #define DDTREE_HD __host__ __device__
@@ -13,21 +14,37 @@
 namespace vllm_ddtree {
 
 // A candidate node: the `rank`-th token at drafter position `pos` under node `parent`.
+// Its priority is packed into one 64-bit key so the heap compares once per step: the score's
+// bits mapped to an unsigned order (high 32 bits), then parent and rank inverted (11 bits
+// each; both are < 2048 because budget <= 1024) so that the larger key wins the tie rule:
+// score descending, then parent index ascending, then rank ascending.
 struct Candidate {
-  float score;
-  int32_t parent;
-  int32_t rank;
+  uint64_t key;
   int32_t pos;
+
+  DDTREE_HD static Candidate make(float score, int32_t parent, int32_t rank, int32_t pos) {
+    uint32_t bits;
+    memcpy(&bits, &score, sizeof(bits));
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return {(static_cast<uint64_t>(bits) << 22) | (static_cast<uint64_t>(2047 - parent) << 11) |
+                static_cast<uint64_t>(2047 - rank),
+            pos};
+  }
+  DDTREE_HD float score() const {
+    uint32_t bits = static_cast<uint32_t>(key >> 22);
+    bits = (bits & 0x80000000u) ? (bits & 0x7fffffffu) : ~bits;
+    float s;
+    memcpy(&s, &bits, sizeof(s));
+    return s;
+  }
+  DDTREE_HD int32_t parent() const { return 2047 - static_cast<int32_t>((key >> 11) & 2047); }
+  DDTREE_HD int32_t rank() const { return 2047 - static_cast<int32_t>(key & 2047); }
 };
 
-// The tie rule: score descending, then parent index ascending, then rank ascending.
-DDTREE_HD inline bool better(const Candidate& a, const Candidate& b) {
-  if (a.score != b.score) return a.score > b.score;
-  if (a.parent != b.parent) return a.parent < b.parent;
-  return a.rank < b.rank;
-}
+DDTREE_HD inline bool better(const Candidate& a, const Candidate& b) { return a.key > b.key; }
 
-// A binary max-heap (by `better`) over caller-provided storage of budget + 1 entries.
+// A 4-ary max-heap (by `better`) over caller-provided storage of budget + 1 entries:
+// half the levels of a binary heap, so fewer dependent loads per pop.
 struct CandidateHeap {
   Candidate* data;
   int32_t size = 0;
@@ -35,7 +52,7 @@ struct CandidateHeap {
   DDTREE_HD void push(const Candidate& c) {
     int32_t i = size++;
     while (i > 0) {
-      const int32_t up = (i - 1) / 2;
+      const int32_t up = (i - 1) / 4;
       if (!better(c, data[up])) break;
       data[i] = data[up];
       i = up;
@@ -43,20 +60,29 @@ struct CandidateHeap {
     data[i] = c;
   }
 
-  DDTREE_HD Candidate pop() {
-    const Candidate top = data[0];
-    const Candidate last = data[--size];
+  // Replace the top by `c` and restore the heap. The builder pops the best candidate and
+  // pushes its children: a child scores near its parent, so it sinks only a little from
+  // the top, where a pop followed by a push would move two entries across the whole heap.
+  DDTREE_HD void replace_top(const Candidate& c) {
     int32_t i = 0;
     while (true) {
-      int32_t child = 2 * i + 1;
-      if (child >= size) break;
-      if (child + 1 < size && better(data[child + 1], data[child])) ++child;
-      if (!better(data[child], last)) break;
-      data[i] = data[child];
-      i = child;
+      const int32_t first = 4 * i + 1;
+      if (first >= size) break;
+      int32_t best = first;
+      const int32_t end = first + 4 < size ? first + 4 : size;
+      for (int32_t k = first + 1; k < end; ++k) {
+        if (better(data[k], data[best])) best = k;
+      }
+      if (!better(data[best], c)) break;
+      data[i] = data[best];
+      i = best;
     }
-    if (size > 0) data[i] = last;
-    return top;
+    data[i] = c;
+  }
+
+  DDTREE_HD void pop() {
+    const Candidate last = data[--size];
+    if (size > 0) replace_top(last);
   }
 };
 
@@ -84,43 +110,48 @@ DDTREE_HD inline void build_one_tree(const float* logprobs, const int64_t* ids, 
   int32_t n = 1;
   CandidateHeap heap{heap_storage};
 
-  auto add = [&](const Candidate& c) {
+  auto add = [&](float score, int32_t parent, int32_t rank, int32_t pos) {
     const int32_t i = n++;
-    t.token_ids[i] = ids[c.pos * K + c.rank];
-    t.parents[i] = c.parent;
-    t.depths[i] = c.pos + 1;
-    t.scores[i] = c.score;
+    t.token_ids[i] = ids[pos * K + rank];
+    t.parents[i] = parent;
+    t.depths[i] = pos + 1;
+    t.scores[i] = score;
     t.first_child[i] = t.next_sibling[i] = t.last_child[i] = -1;
-    if (t.last_child[c.parent] < 0) {
-      t.first_child[c.parent] = i;
+    if (t.last_child[parent] < 0) {
+      t.first_child[parent] = i;
     } else {
-      t.next_sibling[t.last_child[c.parent]] = i;
+      t.next_sibling[t.last_child[parent]] = i;
     }
-    t.last_child[c.parent] = i;
+    t.last_child[parent] = i;
     return i;
   };
-  auto push_sibling = [&](const Candidate& c) {
-    if (c.rank + 1 < K) {
-      heap.push({t.scores[c.parent] + logprobs[c.pos * K + c.rank + 1], c.parent, c.rank + 1,
-                 c.pos});
+  auto push_sibling = [&](int32_t parent, int32_t rank, int32_t pos) {
+    if (rank + 1 < K) {
+      heap.push(Candidate::make(t.scores[parent] + logprobs[pos * K + rank + 1], parent,
+                                rank + 1, pos));
     }
   };
 
   if (spine) {  // the rank-0 chain first; its nodes' rank-0 children are the chain itself
     int32_t parent = 0;
     for (int32_t pos = 0; pos < L && n <= budget; ++pos) {
-      const Candidate c{t.scores[parent] + logprobs[pos * K], parent, 0, pos};
-      push_sibling(c);
-      parent = add(c);
+      push_sibling(parent, 0, pos);
+      parent = add(t.scores[parent] + logprobs[pos * K], parent, 0, pos);
     }
   } else {
-    heap.push({logprobs[0], 0, 0, 0});
+    heap.push(Candidate::make(logprobs[0], 0, 0, 0));
   }
   while (n <= budget && heap.size > 0) {
-    const Candidate c = heap.pop();
-    const int32_t i = add(c);
-    push_sibling(c);
-    if (c.pos + 1 < L) heap.push({c.score + logprobs[(c.pos + 1) * K], i, 0, c.pos + 1});
+    const Candidate c = heap.data[0];
+    const float score = c.score();
+    const int32_t parent = c.parent(), rank = c.rank(), pos = c.pos;
+    const int32_t i = add(score, parent, rank, pos);
+    if (pos + 1 < L) {  // the first child takes the popped top's place
+      heap.replace_top(Candidate::make(score + logprobs[(pos + 1) * K], i, 0, pos + 1));
+    } else {
+      heap.pop();
+    }
+    push_sibling(parent, rank, pos);
   }
 }
 

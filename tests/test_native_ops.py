@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_ddtree import ops
+from vllm_ddtree import ops, reference
 
 REPO = Path(__file__).resolve().parent.parent
 I32, I64 = torch.int32, torch.int64
@@ -28,7 +28,7 @@ def test_tree_positions_matches_reference(num_reqs, num_nodes, seed, depth_dtype
     depths = torch.randint(0, 17, (num_reqs, num_nodes), generator=gen).to(depth_dtype)
     got = ops.tree_positions(seq_lens, depths)
     assert got.dtype == I64 and got.shape == (num_reqs, num_nodes)
-    assert torch.equal(got, ops.tree_positions_reference(seq_lens, depths))
+    assert torch.equal(got, reference.tree_positions(seq_lens, depths))
 
 
 def test_tree_positions_non_contiguous_input() -> None:
@@ -36,15 +36,15 @@ def test_tree_positions_non_contiguous_input() -> None:
     depths = torch.arange(50, dtype=I32).reshape(5, 10)[:, ::2]
     assert not depths.is_contiguous()
     assert torch.equal(ops.tree_positions(seq_lens, depths),
-                       ops.tree_positions_reference(seq_lens, depths))
+                       reference.tree_positions(seq_lens, depths))
 
 
 @pytest.mark.parametrize("seq_lens, depths, message", [
-    (torch.zeros(2, 1, dtype=I64), torch.zeros(2, 3, dtype=I32), "seq_lens must be 1-D"),
-    (torch.zeros(2, dtype=I64), torch.zeros(6, dtype=I32), "depths must be 2-D"),
-    (torch.zeros(2, dtype=I32), torch.zeros(2, 3, dtype=I32), "seq_lens must be int64"),
-    (torch.zeros(2, dtype=I64), torch.zeros(2, 3), "depths must be int32 or int64"),
-    (torch.zeros(3, dtype=I64), torch.zeros(2, 3, dtype=I32), "depths has 2 rows"),
+    (torch.zeros(2, 1, dtype=I64), torch.zeros(2, 3, dtype=I32), "'seq_lens' must be 1-D"),
+    (torch.zeros(2, dtype=I64), torch.zeros(6, dtype=I32), "'depths' must be 2-D"),
+    (torch.zeros(2, dtype=I32), torch.zeros(2, 3, dtype=I32), "'seq_lens' has wrong dtype"),
+    (torch.zeros(2, dtype=I64), torch.zeros(2, 3), "'depths' has wrong dtype Float"),
+    (torch.zeros(3, dtype=I64), torch.zeros(2, 3, dtype=I32), "'depths' has size 2 in dim 0"),
 ])
 def test_tree_positions_rejects_bad_input_by_name(seq_lens, depths, message) -> None:
     with pytest.raises(RuntimeError, match=message):
@@ -87,3 +87,15 @@ def test_every_cuda_source_compiles_with_nvcc() -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sources = list((REPO / "csrc").rglob("*.cu"))
     assert sources and f"compiled {len(sources)} CUDA file(s)" in result.stdout
+
+
+def test_bench_tree_ops_runs(tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, str(REPO / "scripts/bench_tree_ops.py"),
+                             "--reqs", "1", "--repeats", "2", "--budgets", "16",
+                             "--json", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["budget"] == 16 and row["build_from_topk"] > 0 and row["verify"] > 0

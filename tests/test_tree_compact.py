@@ -40,35 +40,44 @@ def compact_cases(draw):
                 plain=draw(st.integers(0, 2)))  # requests without a tree (prefill/decode)
 
 
-@settings(max_examples=400, deadline=None)
-@given(case=compact_cases())
-def test_compact_moves_accepted_entries_and_nothing_else(case) -> None:
+def compact_inputs(case: dict) -> dict:
+    """Caches, hidden rows and a verify step's bookkeeping for a random batch: tree requests
+    with accepted paths from real build + verify, mixed with requests without a tree."""
     gen = torch.Generator().manual_seed(case["seed"])
-    R, B = case["num_reqs"], min(case["budget"], sum(8 ** d for d in range(1, 9)))
-    roots, logprobs, ids = random_topk(case["seed"], R, case["depth"], 8, 8, ties=False)
-    B = min(B, sum(8 ** d for d in range(1, case["depth"] + 1)))
+    R, depth = case["num_reqs"], case["depth"]
+    B = min(case["budget"], sum(8 ** d for d in range(1, depth + 1)))
+    roots, logprobs, ids = random_topk(case["seed"], R, depth, 8, 8, ties=False)
     trees = ops.build_tree(roots, logprobs, ids, B, spine=False)
     verdict = ops.verify_tree(trees, follow_choices(trees, case["seed"], case["p_follow"]),
-                              case["depth"])
-    # Requests without a tree sit between tree requests with no accepted nodes.
+                              depth)
     lens = [B + 1] * R + [int(torch.randint(1, 9, (), generator=gen))
                           for _ in range(case["plain"])]
     order = torch.randperm(len(lens), generator=gen).tolist()
-    lens = [lens[i] for i in order]
-    pad = torch.full((case["plain"], case["depth"]), -1, dtype=torch.int32)
-    accepted = torch.cat([verdict.accepted, pad])[order]
-    num_accepted = torch.cat([verdict.num_accepted,
-                              torch.zeros(case["plain"], dtype=torch.int32)])[order]
-    query_start_loc = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    total = int(query_start_loc[-1])
-
+    pad = torch.full((case["plain"], depth), -1, dtype=torch.int32)
     bs = case["block_size"]
+    total = sum(lens)
     num_blocks = total // bs + 3
-    caches = [make_cache(gen, num_blocks, 2, bs, 16, case["dtype"], case["layout"])
-              for _ in range(2)]
-    slot_mapping = torch.randperm(num_blocks * bs, generator=gen)[:total]
-    hidden = torch.randn(total, 24, generator=gen).to(torch.bfloat16)
+    return dict(
+        kv_caches=[make_cache(gen, num_blocks, 2, bs, 16, case["dtype"], case["layout"])
+                   for _ in range(2)],
+        hidden_states=torch.randn(total, 24, generator=gen).to(torch.bfloat16),
+        slot_mapping=torch.randperm(num_blocks * bs, generator=gen)[:total],
+        query_start_loc=torch.tensor([0] + [lens[i] for i in order]).cumsum(0).to(torch.int32),
+        accepted=torch.cat([verdict.accepted, pad])[order],
+        num_accepted=torch.cat([verdict.num_accepted,
+                                torch.zeros(case["plain"], dtype=torch.int32)])[order])
 
+
+@settings(max_examples=400, deadline=None)
+@given(case=compact_cases())
+def test_compact_moves_accepted_entries_and_nothing_else(case) -> None:
+    inputs = compact_inputs(case)
+    caches, hidden = inputs["kv_caches"], inputs["hidden_states"]
+    slot_mapping, query_start_loc = inputs["slot_mapping"], inputs["query_start_loc"]
+    accepted, num_accepted = inputs["accepted"], inputs["num_accepted"]
+    bs, num_blocks = case["block_size"], caches[0].shape[0]
+    lens = query_start_loc.diff().tolist()
+    total = int(query_start_loc[-1])
     before = [c.clone() for c in caches], hidden.clone()
     want_caches, want_hidden = [c.clone() for c in caches], hidden.clone()
     reference.compact_tree(want_caches, want_hidden, slot_mapping, query_start_loc,

@@ -117,3 +117,7 @@ def compact_tree(kv_caches: list[torch.Tensor], hidden_states: torch.Tensor,
                 cache[d // bs, :, d % bs] = cache[s // bs, :, s % bs].clone()
             if hidden_states.numel():
                 hidden_states[dst] = hidden_states[src].clone()
+
+
+def tree_positions(seq_lens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    return seq_lens.unsqueeze(1) + depths.to(torch.int64)

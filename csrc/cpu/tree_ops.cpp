@@ -32,7 +32,7 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
   auto token_ids = at::empty({R, N}, ids.options());
   auto parents = at::empty({R, N}, i32), depths = at::empty({R, N}, i32);
   auto first_child = at::empty({R, N}, i32), next_sibling = at::empty({R, N}, i32);
-  auto mask = at::zeros({R, N, W}, i32);
+  auto mask = at::empty({R, N, W}, i32);
   auto scores = at::empty({R, N}, lp.options());
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     std::vector<Candidate> heap(N);
@@ -48,7 +48,8 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
       // Parents precede children: a node's mask is its parent's plus its own bit.
       int32_t* m = mask.data_ptr<int32_t>() + r * N * W;
       for (int64_t i = 0; i < N; ++i) {
-        if (rows.parents[i] >= 0) std::memcpy(m + i * W, m + rows.parents[i] * W, W * 4);
+        const int32_t* up = rows.parents[i] >= 0 ? m + rows.parents[i] * W : nullptr;
+        for (int64_t w = 0; w < W; ++w) m[i * W + w] = up ? up[w] : 0;
         m[i * W + i / 32] |= static_cast<int32_t>(1u << (i % 32));
       }
     }

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Median time per request of the tree ops, side by side with a pure-Python heap build and
+walk (the host-side approach of the public vLLM DDTree port), in one run.
+
+    .venv/bin/python scripts/bench_tree_ops.py [--device cpu|cuda] [--reqs 8] [--repeats 50]
+
+Prints a markdown table; --json FILE also writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from vllm_ddtree import ops
+from vllm_ddtree.tree import topk_ranked
+
+DEPTH, VOCAB = 15, 151936
+
+
+def median_us(fn: Callable[[], object], repeats: int, device: str) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def python_heap_build(roots, logprobs, ids, budget):
+    """Host-side best-first build of the kind vLLM PR #42910 uses: top-k copied to the host,
+    one heapq per request whose entries carry (-logw, rank path, parent, depth, rank, logw),
+    the rank path breaking ties; nodes (token, parent, depth) out, no attention mask."""
+    lp, id_lists = logprobs.cpu().tolist(), ids.cpu().tolist()
+    trees = []
+    for r, root in enumerate(roots.tolist()):
+        L, K = len(lp[r]), len(lp[r][0])
+        nodes = [(root, -1, 0)]
+        heap = [(-lp[r][0][0], (0,), 0, 1, 0, lp[r][0][0])]
+        while len(nodes) <= budget and heap:
+            _, path, parent, depth, rank, logw = heapq.heappop(heap)
+            nodes.append((id_lists[r][depth - 1][rank], parent, depth))
+            if rank + 1 < K:
+                w = logw - lp[r][depth - 1][rank] + lp[r][depth - 1][rank + 1]
+                heapq.heappush(heap, (-w, path[:-1] + (rank + 1,), parent, depth, rank + 1, w))
+            if depth < L:
+                w = logw + lp[r][depth][0]
+                heapq.heappush(heap, (-w, path + (0,), len(nodes) - 1, depth + 1, 0, w))
+        trees.append(nodes)
+    return trees
+
+
+def python_walk(trees, choices, depth):
+    tokens, first, nxt = (trees.token_ids.tolist(), trees.first_child.tolist(),
+                          trees.next_sibling.tolist())
+    out = []
+    for r, want in enumerate(choices.tolist()):
+        node, path = 0, []
+        while len(path) < depth:
+            c = first[r][node]
+            while c != -1 and tokens[r][c] != want[node]:
+                c = nxt[r][c]
+            if c == -1:
+                break
+            path.append(c)
+            node = c
+        out.append(path)
+    return out
+
+
+def bench_budget(budget: int, R: int, dev: str, repeats: int, gen: torch.Generator) -> dict:
+    """Median µs per request of every op at one budget."""
+    logits = (torch.randn(R, DEPTH, VOCAB, generator=gen) * 3).to(dev)
+    roots = torch.randint(0, VOCAB, (R,), generator=gen).to(dev)
+    logprobs, ids = topk_ranked(logits, budget)
+    trees = ops.build_tree(roots, logprobs, ids, budget)
+    # Target choices that follow each node's first child: long accepted paths.
+    choices = trees.token_ids.gather(1, trees.first_child.clamp(min=0).long())
+    verdict = ops.verify_tree(trees, choices, DEPTH)
+    cache = torch.randn(R * (budget + 1) // 16 + 2, 8, 16, 256, device=dev,
+                        dtype=torch.bfloat16)
+    hidden = torch.randn(R * (budget + 1), 4096, device=dev, dtype=torch.bfloat16)
+    qsl = torch.arange(R + 1, device=dev, dtype=torch.int32) * (budget + 1)
+    slots = torch.arange(R * (budget + 1), device=dev)
+    timings = {
+        "build_from_logits": median_us(
+            lambda: ops.build_tree_from_logits(roots, logits, budget), repeats, dev),
+        "build_from_topk": median_us(
+            lambda: ops.build_tree(roots, logprobs, ids, budget), repeats, dev),
+        "python_heap_build": median_us(
+            lambda: python_heap_build(roots, logprobs, ids, budget), max(5, repeats // 5), dev),
+        "verify": median_us(lambda: ops.verify_tree(trees, choices, DEPTH), repeats, dev),
+        "python_walk": median_us(lambda: python_walk(trees, choices, DEPTH), repeats, dev),
+        "compact_1_layer": median_us(
+            lambda: ops.compact_tree([cache], hidden, slots, qsl, verdict), repeats, dev),
+    }
+    return {"budget": budget, **{k: v / R for k, v in timings.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--reqs", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--budgets", default="16,64,256,1024")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    dev, R = args.device, args.reqs
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for budget in (int(b) for b in args.budgets.split(",")):
+        rows.append(bench_budget(budget, R, dev, args.repeats, gen))
+        print(f"budget {budget}: done", flush=True)
+    cols = list(rows[0])
+    print(f"\nmedian µs per request ({R} requests, depth {DEPTH}, vocab {VOCAB}, {dev}, "
+          f"{torch.get_num_threads()} threads)\n")
+    print("| " + " | ".join(cols) + " | heap speed-up (python / topk) |")
+    print("|" + "---|" * (len(cols) + 1))
+    for r in rows:
+        cells = [str(r["budget"])] + [f"{r[c]:.2f}" for c in cols[1:]]
+        speedup = r["python_heap_build"] / r["build_from_topk"]
+        print("| " + " | ".join(cells) + f" | {speedup:.0f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": dev, "reqs": R, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The device check, in one run of a few minutes on a machine with a CUDA GPU: build the CUDA
+# ops for this GPU, run the CUDA tests (CUDA == CPU on the property cases, CUDA-graph
+# capture), and time the ops. Logs and tables go to $OUT (default /tmp/gpu_check).
+#
+#   scripts/gpu_check.sh            # uses .venv/bin/python if present, else python3
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "device"
+nvidia-smi -L
+"$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
+
+step "build the native ops with CUDA for this GPU"
+arch=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch} \
+  "$PY" setup.py -q build_ext --inplace 2>&1 | tee "$OUT/build.log" | grep -v -i warning || true
+"$PY" -c 'import torch, vllm_ddtree.ops; print(torch.ops.vllm_ddtree.build_tree.default)'
+
+step "CUDA tests"
+set -o pipefail
+"$PY" -m pytest -q -p no:cacheprovider tests/cuda 2>&1 | tee "$OUT/cuda_tests.log"
+
+step "tree op timings (CUDA events, median)"
+for reqs in 1 8 32; do
+  "$PY" scripts/bench_tree_ops.py --device cuda --reqs "$reqs" \
+    --json "$OUT/bench_tree_ops_cuda_r$reqs.json" | tee -a "$OUT/bench_tree_ops_cuda.md"
+done
+echo; echo "gpu_check: all passed; results in $OUT"

@@ -1,0 +1,106 @@
+"""The CUDA ops equal the CPU ops (the oracle) on the CPU suite's random cases, and build,
+verify and compact run inside a captured CUDA graph (so none syncs with the host)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from test_tree_build import build_cases
+from test_tree_compact import compact_cases, compact_inputs
+from test_tree_verify import verify_cases
+from tree_cases import follow_choices, random_topk
+
+from vllm_ddtree import ops
+
+CUDA = torch.device("cuda")
+
+
+def to(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(case=build_cases())
+def test_build_cuda_equals_cpu(case) -> None:
+    inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
+                         case["k"], case["ties"])
+    want = ops.build_tree(*inputs, case["budget"], case["spine"])
+    got = ops.build_tree(*to(CUDA, *inputs), case["budget"], case["spine"])
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a, b.cpu()), name
+
+
+@settings(max_examples=1000, deadline=None)
+@given(case=verify_cases())
+def test_verify_cuda_equals_cpu(case) -> None:
+    inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
+                         case["k"], ties=False)
+    trees = ops.build_tree(*inputs, case["budget"], case["spine"])
+    choices = follow_choices(trees, case["seed"], case["p_follow"])
+    want = ops.verify_tree(trees, choices, case["depth"])
+    got = ops.verify_tree(ops.DraftTrees(*to(CUDA, *trees)), choices.to(CUDA), case["depth"])
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a, b.cpu()), name
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=compact_cases())
+def test_compact_cuda_equals_cpu(case) -> None:
+    cpu = compact_inputs(case)
+    gpu = {k: ([c.to(CUDA) for c in v] if k == "kv_caches" else v.to(CUDA))
+           for k, v in cpu.items()}
+    for inputs in (cpu, gpu):
+        torch.ops.vllm_ddtree.compact_tree(*inputs.values())
+    for a, b in zip(cpu["kv_caches"], gpu["kv_caches"]):
+        assert torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8))
+    assert torch.equal(cpu["hidden_states"], gpu["hidden_states"].cpu())
+
+
+def test_tree_positions_cuda_equals_cpu() -> None:
+    seq_lens = torch.randint(0, 10_000, (7,))
+    depths = torch.randint(0, 16, (7, 65), dtype=torch.int32)
+    want = ops.tree_positions(seq_lens, depths)
+    assert torch.equal(ops.tree_positions(seq_lens.to(CUDA), depths.to(CUDA)).cpu(), want)
+
+
+def test_build_verify_compact_capture_in_a_cuda_graph() -> None:
+    R, L, V, B = 4, 15, 1000, 64
+    logits = torch.randn(R, L, V, device=CUDA)
+    roots = torch.randint(0, V, (R,), device=CUDA)
+    choices = torch.randint(0, V, (R, B + 1), device=CUDA)
+    cache = torch.randn(40, 2, 16, 32, device=CUDA)
+    hidden = torch.randn(R * (B + 1), 8, device=CUDA)
+    slots = torch.randperm(640, device=CUDA)[: R * (B + 1)]
+    qsl = torch.arange(R + 1, device=CUDA, dtype=torch.int32) * (B + 1)
+
+    def step():
+        trees = ops.build_tree_from_logits(roots, logits, B, spine=True)
+        # The target follows the first child twice, then its own random choice.
+        target = torch.where(trees.depths < 2,
+                             trees.token_ids.gather(1, trees.first_child.clamp(min=0).long()),
+                             choices)
+        verdict = ops.verify_tree(trees, target, L)
+        ops.compact_tree([cache], hidden, slots, qsl, verdict)
+        return trees, verdict
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        trees, verdict = step()
+    for seed in range(3):
+        gen = torch.Generator(device=CUDA).manual_seed(seed)
+        logits.copy_(torch.randn(R, L, V, device=CUDA, generator=gen))
+        cache_before, hidden_before = cache.clone(), hidden.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        want_trees = ops.build_tree_from_logits(roots.cpu(), logits.cpu(), B, spine=True)
+        assert torch.equal(trees.token_ids.cpu(), want_trees.token_ids)
+        assert (verdict.num_accepted >= 2).all()  # the spine accepts the followed chain
+        cpu_cache, cpu_hidden = cache_before.cpu(), hidden_before.cpu()
+        ops.compact_tree([cpu_cache], cpu_hidden, slots.cpu(), qsl.cpu(),
+                         ops.Verdict(*(t.cpu() for t in verdict)))
+        assert torch.equal(cache.cpu(), cpu_cache) and torch.equal(hidden.cpu(), cpu_hidden)

@@ -1,0 +1,83 @@
+"""Tree attention, both implementations (the Triton kernel under TRITON_INTERPRET=1, and the
+CPU SDPA path), against a dense float64 reference: dtypes, head sizes, GQA, page sizes, tree
+shapes, contexts across block boundaries, batches mixing tree, prefill and decode requests."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from attention_cases import SHAPES, dense_reference, make_batch
+
+from vllm_ddtree.attention.sdpa_tree_attention import tree_attention_sdpa
+from vllm_ddtree.attention.triton_tree_attention import tree_attention
+
+IMPLS = {"triton": tree_attention, "sdpa": tree_attention_sdpa}
+# Max abs error against the float64 reference: fp32 is exact up to summation order; bf16
+# output and probabilities carry 8 mantissa bits (values are O(1)).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def run(impl: str, batch) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    IMPLS[impl](batch.query, batch.key_cache, batch.value_cache, out, batch.block_table,
+                batch.seq_lens, batch.query_start_loc, batch.tree_index, batch.ancestor_mask,
+                batch.scale)
+    return out
+
+
+CASES = [  # (kinds, num_nodes, context lengths): crossing and landing on block boundaries
+    (["chain"], 16, [31]),
+    (["star"], 17, [32]),
+    (["deep"], 33, [0]),
+    (["bushy"], 65, [47]),
+    (["bushy", "prefill", "decode", "chain"], 20, [37, 5, 70, 0]),
+    (["decode", "star", "prefill", "deep", "bushy"], 9, [1, 16, 0, 95, 64]),
+    (["prefill", "decode"], 5, [3, 33]),  # no tree in the batch at all
+]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("dtype, head_size, heads, page", [
+    (torch.float32, 64, (4, 4), 16),
+    (torch.float32, 128, (8, 2), 32),
+    (torch.bfloat16, 64, (8, 2), 16),
+    (torch.bfloat16, 128, (4, 1), 32),
+])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_dense_reference(impl, dtype, head_size, heads, page, case) -> None:
+    kinds, num_nodes, contexts = CASES[case]
+    batch = make_batch(case, kinds, num_nodes, contexts, heads[0], heads[1], head_size, page,
+                       dtype)
+    err = (run(impl, batch).double() - dense_reference(batch)).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err}"
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_visible_sibling_is_caught(impl) -> None:
+    # The comparison must notice a mask that is wrong in a single bit: node 2 of a star
+    # (a sibling of node 1) made visible to node 1.
+    batch = make_batch(3, ["star"], 8, [20], 4, 2, 64, 16, torch.float32)
+    want = dense_reference(batch)
+    assert (run(impl, batch).double() - want).abs().max() <= TOLERANCE[torch.float32]
+    batch.ancestor_mask[0, 1, 0] |= 1 << 2
+    err = (run(impl, batch).double() - want).abs()
+    assert err[1].max() > 1e-2, "a wrong mask went unnoticed"
+    assert err[[0, 2, 3, 4, 5, 6, 7]].max() <= TOLERANCE[torch.float32]  # only node 1 moved
+
+
+def test_both_implementations_agree_on_many_random_batches() -> None:
+    for seed, (a, b) in enumerate(itertools.product(SHAPES + ("prefill", "decode"), repeat=2)):
+        gen = torch.Generator().manual_seed(seed)
+        contexts = torch.randint(0, 80, (2,), generator=gen).tolist()
+        batch = make_batch(seed, [a, b], 1 + seed % 40, contexts, 4, 2, 32, 16, torch.float32)
+        want = dense_reference(batch)
+        for impl in IMPLS:
+            assert (run(impl, batch).double() - want).abs().max() <= 1e-4, (impl, a, b)
+
+
+def test_rejects_heads_not_a_multiple_of_kv_heads() -> None:
+    batch = make_batch(0, ["chain"], 4, [3], 4, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="argument 'query' has 3 heads"):
+        run("triton", batch.__class__(**{**batch.__dict__, "query": batch.query[:, :3]}))

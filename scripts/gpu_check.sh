@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check, in one run of a few minutes on a machine with a CUDA GPU: build the CUDA
 # ops for this GPU, run the CUDA tests (CUDA == CPU on the property cases, CUDA-graph
-# capture), and time the ops. Logs and tables go to $OUT (default /tmp/gpu_check).
+# capture, the tree-attention kernel == the dense reference), and time the tree ops and tree
+# attention against causal attention. Logs and tables go to $OUT (default /tmp/gpu_check).
 #
 #   scripts/gpu_check.sh            # uses .venv/bin/python if present, else python3
 set -euo pipefail
@@ -31,4 +32,7 @@ for reqs in 1 8 32; do
   "$PY" scripts/bench_tree_ops.py --device cuda --reqs "$reqs" \
     --json "$OUT/bench_tree_ops_cuda_r$reqs.json" | tee -a "$OUT/bench_tree_ops_cuda.md"
 done
+step "tree attention vs causal (CUDA events, median)"
+"$PY" scripts/bench_tree_attention.py --json "$OUT/bench_tree_attention.json" \
+  | tee "$OUT/bench_tree_attention.md"
 echo; echo "gpu_check: all passed; results in $OUT"

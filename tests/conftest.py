@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -14,9 +15,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 # vLLM on a CPU-only machine: a small KV cache, and the engine in this process.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# Triton kernels run on CPU tensors through Triton's interpreter (read when kernels are
-# defined, so before any test module imports one).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, Triton kernels run on CPU tensors through Triton's interpreter (read when
+# kernels are defined, so before any test module imports one).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

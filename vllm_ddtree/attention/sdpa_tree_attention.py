@@ -7,6 +7,8 @@ layout on the host, which is fine on the CPU and is why the GPU path is the Trit
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -29,8 +31,18 @@ def tree_attention_sdpa(
     ancestor_mask: torch.Tensor,
     scale: float,
     requests: list[int] | None = None,
+    read_blocks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """Writes ``out`` rows of ``requests`` (default: all); plain requests run causal."""
+    """Writes ``out`` rows of ``requests`` (default: all); plain requests run causal.
+
+    ``read_blocks(block_ids)`` returns those blocks' keys and values as
+    ``[n, block_size, kv_heads, head_size]``, for caches whose blocks are packed (CPU_ATTN's
+    keys are); by default they are read from ``key_cache`` and ``value_cache`` as they are.
+    """
+    if read_blocks is None:
+        def read_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return key_cache[blocks], value_cache[blocks]
+
     page = key_cache.shape[1]
     qsl, lens, trees = query_start_loc.tolist(), seq_lens.tolist(), tree_index.tolist()
     for r in range(len(lens)) if requests is None else requests:
@@ -38,8 +50,9 @@ def tree_attention_sdpa(
         q_len = end - start
         ctx = seq_len - q_len
         blocks = block_table[r, : -(-seq_len // page)].long()
-        k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, Hkv, D]
-        v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        k_blocks, v_blocks = read_blocks(blocks)
+        k = k_blocks.flatten(0, 1)[:seq_len]  # [seq_len, Hkv, D]
+        v = v_blocks.flatten(0, 1)[:seq_len]
         allowed = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device)
         if trees[r] >= 0:
             allowed[:, ctx:] = unpack_mask(ancestor_mask[trees[r], :q_len], q_len)

@@ -1,0 +1,121 @@
+"""The TREE_ATTN backend inside vLLM on the CPU: `--attention-backend TREE_ATTN` loads
+vllm_ddtree's CPU backend and, with no trees, generates exactly what CPU_ATTN generates;
+in a batch mixing tree and plain requests, the backend's metadata builder and forward (CPU_ATTN
+runs for plain requests, SDPA for tree requests) match the dense reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from attention_cases import dense_reference, make_batch
+
+PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox"]
+
+
+def generate(tiny_models: Path, **kwargs) -> tuple[list, object]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
+              seed=0, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], llm
+
+
+@pytest.mark.slow
+def test_forced_tree_attn_runs_and_matches_cpu_attn(tiny_models: Path) -> None:
+    from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
+
+    with_tree_attn, llm = generate(tiny_models, attention_backend="TREE_ATTN")
+    model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner.model
+    impls = {type(m.impl) for m in model.modules() if hasattr(m, "impl")}
+    assert impls == {TreeAttentionCPUImpl}, impls
+    del llm, model
+    assert with_tree_attn == generate(tiny_models)[0]
+
+
+def test_enum_member_and_cpu_selection() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from vllm_ddtree.attention import CPU_BACKEND_PATH
+
+    member = AttentionBackendEnum["TREE_ATTN"]
+    assert member.get_path() == "vllm_ddtree.attention.backend.TreeAttentionBackend"
+    config = AttentionSelectorConfig(**{f: False for f in AttentionSelectorConfig._fields} | {
+        "head_size": 64, "dtype": torch.bfloat16, "kv_cache_dtype": "auto",
+        "block_size": 32, "attn_type": "decoder"})
+    assert CpuPlatform.get_attn_backend_cls(member, config) == CPU_BACKEND_PATH
+    assert CpuPlatform.get_attn_backend_cls(None, config).endswith("CPUAttentionBackend")
+
+
+def cpu_builder(batch, dtype):
+    """The backend's metadata builder, without a VllmConfig: only what build() reads."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUMetadataBuilder
+
+    builder = object.__new__(TreeAttentionCPUMetadataBuilder)
+    page, kv_heads, head_size = batch.key_cache.shape[1:]
+    builder.__dict__.update(
+        num_heads=batch.query.shape[1], num_kv_heads=kv_heads, head_dim=head_size,
+        dtype=dtype, window_size=-1, block_size=page, kv_cache_dtype="auto",
+        isa=_get_attn_isa(dtype, page, head_size, "auto"), is_cross_attention=False,
+        is_encoder_only_attention=False)
+    return builder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kinds, contexts", [
+    (["prefill", "bushy", "decode", "decode", "chain", "prefill"], [40, 7, 90, 33, 0, 64]),
+    (["star", "deep"], [31, 64]),
+    (["decode", "prefill"], [12, 70]),
+])
+def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monkeypatch) -> None:
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends import cpu_attn
+
+    from vllm_ddtree.attention import tree_batch
+    from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
+
+    batch = make_batch(7, kinds, 12, contexts, 8, 2, 64, 32, dtype)
+    num_reqs, (num_blocks, page, kv_heads, head_size) = len(kinds), batch.key_cache.shape
+    builder = cpu_builder(batch, dtype)
+    # The batch's keys and values, written into a CPU_ATTN cache by CPU_ATTN's own op (which
+    # packs keys per ISA).
+    kv_cache = torch.zeros(num_blocks, kv_heads, page, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * page, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(batch.key_cache.flatten(0, 1), batch.value_cache.flatten(0, 1),
+                                   key_cache, value_cache, torch.arange(num_blocks * page),
+                                   builder.isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    slots = torch.zeros(batch.query.shape[0], dtype=torch.int64)
+    common = CommonAttentionMetadata(
+        query_start_loc=batch.query_start_loc, query_start_loc_cpu=batch.query_start_loc,
+        seq_lens=batch.seq_lens, num_reqs=num_reqs, num_actual_tokens=batch.query.shape[0],
+        max_query_len=int(batch.query_start_loc.diff().max()),
+        max_seq_len=int(batch.seq_lens.max()), block_table_tensor=batch.block_table,
+        slot_mapping=slots)
+    trees = tree_batch.TreeBatch(16, 11, "cpu")
+    trees.set_trees(batch.tree_index, batch.ancestor_mask)
+    tree_batch.install(trees)
+    try:
+        metadata = builder.build(0, common)
+    finally:
+        tree_batch.install(None)
+    assert metadata.tree_requests == [r for r, k in enumerate(kinds) if k not in
+                                      ("prefill", "decode")]
+    # The impl reads only the model dtype from the current config.
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
+    impl = TreeAttentionCPUImpl(8, head_size, batch.scale, kv_heads, None, None, "auto")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa=builder.isa)
+    out = torch.full_like(batch.query, float("nan"))
+    impl.forward(layer, batch.query, None, None, kv_cache, metadata, out)
+    err = (out.double() - dense_reference(batch)).abs().max().item()
+    assert err <= (1e-4 if dtype == torch.float32 else 3e-2), err

@@ -1,0 +1,140 @@
+"""TREE_ATTN on CUDA: vLLM's Triton attention backend with the tree-attention kernel.
+
+It keeps the Triton backend's KV cache (per layer ``[blocks, kv_heads, block_size,
+2 * head_size]``, K and V side by side) and its cache writes, and replaces the attention
+call with ``tree_attention``: causal for requests without a tree, tree-masked for the
+others, one launch. Everything the kernel reads comes from persistent buffers (the runner's
+and ``tree_batch``), so a uniform verify batch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
+)
+
+from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.attention.triton_tree_attention import tree_attention
+
+NAME = "TREE_ATTN"
+
+
+class TreeAttentionBackend(TritonAttentionBackend):
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[TreeAttentionImpl]:
+        return TreeAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeAttentionMetadataBuilder]:
+        return TreeAttentionMetadataBuilder
+
+    # The tree kernel does plain decoder attention only.
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return 32 <= head_size <= 256
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_rswa(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_alibi_sqrt(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == "decoder"
+
+
+@dataclass
+class TreeAttentionMetadata:
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    tree_index: torch.Tensor  # int32 [num_reqs]
+    ancestor_mask: torch.Tensor  # int32 [max_num_reqs, budget + 1, words]
+
+
+class TreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        max_reqs = vllm_config.scheduler_config.max_num_seqs
+        self._no_trees = tree_batch.TreeBatch(max_reqs, 0, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TreeAttentionMetadata:
+        cm = common_attn_metadata
+        trees = tree_batch.current() or self._no_trees
+        return TreeAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping, tree_index=trees.tree_index[:cm.num_reqs],
+            ancestor_mask=trees.ancestor_mask)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> TreeAttentionMetadata:
+        metadata = self.build(0, common_attn_metadata)
+        metadata.seq_lens.fill_(1)
+        return metadata
+
+
+class TreeAttentionImpl(TritonAttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
+                 attn_type: str = "decoder", kv_sharing_target_layer_name=None,
+                 **kwargs) -> None:
+        for name, value in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                            ("logits_soft_cap", logits_soft_cap),
+                            ("sinks", kwargs.get("sinks"))):
+            if value is not None:
+                raise NotImplementedError(f"TREE_ATTN does not support {name}")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name, **kwargs)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("TREE_ATTN does not fuse output quantization")
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        n = attn_metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        tree_attention(query[:n], key_cache, value_cache, output[:n],
+                       attn_metadata.block_table, attn_metadata.seq_lens,
+                       attn_metadata.query_start_loc, attn_metadata.tree_index,
+                       attn_metadata.ancestor_mask, self.scale)
+        return output

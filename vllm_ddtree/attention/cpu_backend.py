@@ -1,0 +1,194 @@
+"""TREE_ATTN on the CPU: vLLM's CPU_ATTN for requests without a tree, SDPA with the tree mask
+for tree requests (CPU_ATTN's kernel takes no mask).
+
+A batch without trees runs exactly as CPU_ATTN. In a mixed batch, each maximal run of
+consecutive plain requests is one CPU_ATTN call (its scheduler metadata rebuilt for the run
+when metadata is built, once per step), and the tree requests go through
+``tree_attention_sdpa``. The KV cache is CPU_ATTN's, written by CPU_ATTN's own op.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.attention.backend import NAME
+from vllm_ddtree.attention.sdpa_tree_attention import tree_attention_sdpa
+
+
+@functools.cache
+def block_layout(isa: str, dtype: torch.dtype, block_size: int,
+                 head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where CPU_ATTN's cache-write op puts each (token, dim) of a block, for keys and for
+    values: index tensors ``perm`` with ``tile.flatten()[perm[t * head_size + d]]`` holding
+    element (t, d). The op packs keys per ISA (for "vec": dim pairs major, tokens minor); the
+    map is read off the op itself, by writing each token's index, then each dim's index
+    (both < 2**8 + 1, exact in every supported dtype)."""
+    perms = []
+    probes = (torch.arange(block_size).view(-1, 1, 1).expand(-1, 1, head_size),
+              torch.arange(head_size).view(1, 1, -1).expand(block_size, 1, -1))
+    for side in (0, 1):
+        found = []
+        for probe in probes:
+            kv = torch.zeros(1, 1, 2 * block_size, head_size, dtype=dtype)
+            key_cache, value_cache = kv.chunk(2, dim=2)
+            values = (probe + 1).to(dtype).contiguous()
+            ops.cpu_attn_reshape_and_cache(values, values, key_cache, value_cache,
+                                           torch.arange(block_size), isa, k_scale=1.0,
+                                           v_scale=1.0, kv_cache_dtype="auto")
+            found.append((key_cache, value_cache)[side].flatten().long() - 1)
+        token, dim = found
+        perm = torch.empty(block_size * head_size, dtype=torch.long)
+        perm[token * head_size + dim] = torch.arange(block_size * head_size)
+        perms.append(perm)
+    return perms[0], perms[1]
+
+
+class TreeAttentionCPUBackend(CPUAttentionBackend):
+    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[TreeAttentionCPUImpl]:
+        return TreeAttentionCPUImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeAttentionCPUMetadataBuilder]:
+        return TreeAttentionCPUMetadataBuilder
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == "decoder"
+
+
+@dataclass
+class PlainRun:
+    """Consecutive requests without a tree, as one CPU_ATTN call."""
+
+    tokens: slice
+    query_start_loc: torch.Tensor  # rebased to 0
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler_metadata: torch.Tensor
+
+
+@dataclass
+class TreeAttentionCPUMetadata(CPUAttentionMetadata):
+    tree_index: torch.Tensor | None = None
+    ancestor_mask: torch.Tensor | None = None
+    tree_requests: list[int] = field(default_factory=list)
+    plain_runs: list[PlainRun] = field(default_factory=list)
+
+
+class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TreeAttentionCPUMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        metadata = TreeAttentionCPUMetadata(**base.__dict__)
+        trees = tree_batch.current()
+        num_reqs = common_attn_metadata.num_reqs
+        if trees is None:
+            return metadata
+        index = trees.tree_index[:num_reqs]
+        kinds = index.tolist()
+        metadata.tree_requests = [r for r, t in enumerate(kinds) if t >= 0]
+        if not metadata.tree_requests:
+            return metadata
+        metadata.tree_index, metadata.ancestor_mask = index, trees.ancestor_mask
+        r = 0
+        while r < num_reqs:
+            if kinds[r] >= 0:
+                r += 1
+                continue
+            end = r
+            while end < num_reqs and kinds[end] < 0:
+                end += 1
+            metadata.plain_runs.append(self._plain_run(common_attn_metadata, r, end))
+            r = end
+        return metadata
+
+    def _plain_run(self, cm: CommonAttentionMetadata, start: int, end: int) -> PlainRun:
+        qsl = cm.query_start_loc[start:end + 1]
+        rebased = (qsl - qsl[0]).to(torch.int32)
+        seq_lens = cm.seq_lens[start:end]
+        return PlainRun(
+            tokens=slice(int(qsl[0]), int(qsl[-1])), query_start_loc=rebased,
+            seq_lens=seq_lens, block_table=cm.block_table_tensor[start:end],
+            scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=end - start, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype,
+                query_start_loc=rebased, causal=True, sliding_window_size=self.window_size,
+                isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype))
+
+
+class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
+                 attn_type: str = "decoder", kv_sharing_target_layer_name=None,
+                 sinks=None, **kwargs) -> None:
+        for name, value in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                            ("logits_soft_cap", logits_soft_cap), ("sinks", sinks),
+                            *kwargs.items()):
+            if value not in (None, False, -1):
+                raise NotImplementedError(f"TREE_ATTN does not support {name}")
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        md = attn_metadata
+        if md is None or not md.tree_requests:
+            return super().forward(layer, query, key, value, kv_cache, md, output,
+                                   output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("TREE_ATTN does not fuse output quantization")
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        # CPU_ATTN's cache: per (block, head) block_size keys, then block_size values.
+        key_cache, value_cache = kv_cache.view(
+            num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        for run in md.plain_runs:
+            ops.cpu_attention_with_kv_cache(
+                query=query[run.tokens], key_cache=key_cache, value_cache=value_cache,
+                output=output[run.tokens], query_start_loc=run.query_start_loc,
+                seq_lens=run.seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
+                sliding_window=-1, block_table=run.block_table, softcap=0,
+                scheduler_metadata=run.scheduler_metadata, s_aux=None, dynamic_causal=None,
+                k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype)
+        perm_k, perm_v = block_layout(layer.isa, key_cache.dtype, block_size, self.head_size)
+
+        def read_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            def unpack(cache: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+                tiles = cache[blocks].flatten(2)[:, :, perm]  # [n, heads, block * head]
+                return tiles.view(len(blocks), num_kv_heads, block_size, -1).transpose(1, 2)
+            return unpack(key_cache, perm_k), unpack(value_cache, perm_v)
+
+        tree_attention_sdpa(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
+                            md.query_start_loc, md.tree_index, md.ancestor_mask, self.scale,
+                            requests=md.tree_requests, read_blocks=read_blocks)
+        return output

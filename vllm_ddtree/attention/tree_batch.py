@@ -1,0 +1,44 @@
+"""The trees of the current step, handed from the runner to the attention backends.
+
+vLLM's metadata builders see only ``CommonAttentionMetadata``, which has no room for a
+tree. The DDTree runner writes the step's trees here (persistent buffers, so a captured
+CUDA graph reads fresh values) before attention metadata is built; a request whose
+``tree_index`` is -1 has no tree and attends causally. With no ``TreeBatch`` installed,
+TREE_ATTN is plain causal attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.tree import mask_words
+
+
+class TreeBatch:
+    def __init__(self, max_num_reqs: int, budget: int, device: torch.device | str) -> None:
+        self.budget = budget
+        self.tree_index = torch.full((max_num_reqs,), -1, dtype=torch.int32, device=device)
+        self.ancestor_mask = torch.zeros(max_num_reqs, budget + 1, mask_words(budget + 1),
+                                         dtype=torch.int32, device=device)
+
+    def set_trees(self, tree_index: torch.Tensor, ancestor_mask: torch.Tensor) -> None:
+        """In place: row r of the batch uses ``ancestor_mask[tree_index[r]]`` (-1: none)."""
+        n, t = tree_index.shape[0], ancestor_mask.shape[0]
+        self.tree_index[:n].copy_(tree_index)
+        self.tree_index[n:].fill_(-1)
+        self.ancestor_mask[:t].copy_(ancestor_mask)
+
+    def clear(self) -> None:
+        self.tree_index.fill_(-1)
+
+
+_current: TreeBatch | None = None
+
+
+def install(batch: TreeBatch | None) -> None:
+    global _current
+    _current = batch
+
+
+def current() -> TreeBatch | None:
+    return _current

@@ -1,0 +1,100 @@
+"""Method "ddtree" in vLLM's configuration: the JSON and dotted CLI forms are accepted,
+defaults are applied, and every bad configuration fails at startup naming its field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+def engine_config(tiny_models: Path, spec: dict, **engine_kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(tiny_models / "target"), max_model_len=512,
+                      speculative_config=spec, **engine_kwargs)
+    return args.create_engine_config()
+
+
+def test_resolves_defaults_onto_the_dflash_drafter(tiny_models: Path) -> None:
+    from vllm.config import SpeculativeConfig
+
+    from vllm_ddtree.config import DEFAULT_TREE_BUDGET, resolve_speculative_config
+
+    spec = SpeculativeConfig.__new__(SpeculativeConfig)
+    spec.__dict__.update(method="ddtree", model=str(tiny_models / "drafter"),
+                         tree_budget=None, tree_spine=None)
+    resolve_speculative_config(spec)
+    assert (spec.method, spec.tree_budget, spec.tree_spine) == ("dflash", DEFAULT_TREE_BUDGET,
+                                                                True)
+
+
+def test_valid_config_reaches_the_runner_check(tiny_models: Path) -> None:
+    # Everything validates; what stops it is the (not yet written) tree runner, said plainly.
+    with pytest.raises(NotImplementedError, match="configuration is valid"):
+        engine_config(tiny_models, {"method": "ddtree", "model": str(tiny_models / "drafter"),
+                                    "tree_budget": 16, "tree_spine": False})
+
+
+@pytest.mark.parametrize("spec, engine_kwargs, message", [
+    ({"tree_budget": 0}, {}, r"speculative_config.tree_budget must be an integer in \[1, 1024\]"),
+    ({"tree_budget": 5000}, {}, r"speculative_config.tree_budget must be an integer"),
+    ({"tree_budget": 600}, {"max_num_batched_tokens": 512},
+     r"speculative_config.tree_budget is 600: a verify step needs .* max_num_batched_tokens"),
+    ({"num_speculative_tokens": 12}, {},
+     r"speculative_config.num_speculative_tokens is 12, deeper than .* block_size - 1 = 7"),
+    ({"model": "TARGET"}, {}, r"speculative_config.model .* has no dflash_config"),
+    ({"model": "BIG_VOCAB"}, {}, r"speculative_config.model .* vocabulary of 2048 tokens"),
+    ({}, {"attention_backend": "CPU_ATTN"},
+     r"attention_config.backend is CPU_ATTN, which cannot attend over a token tree"),
+    ({"method": "dflash", "num_speculative_tokens": 7, "tree_budget": 4}, {},
+     r"speculative_config.tree_budget applies to method 'ddtree' only"),
+    ({"tree_spine": "maybe"}, {}, r"tree_spine\n  Input should be a valid boolean"),
+])
+def test_bad_config_fails_at_startup_naming_the_field(tiny_models: Path, tmp_path: Path, spec,
+                                                       engine_kwargs, message) -> None:
+    big_vocab = tmp_path / "big_vocab_drafter"
+    shutil.copytree(tiny_models / "drafter", big_vocab)
+    config = json.loads((big_vocab / "config.json").read_text())
+    (big_vocab / "config.json").write_text(json.dumps(config | {"vocab_size": 2048}))
+    models = {"TARGET": str(tiny_models / "target"), "BIG_VOCAB": str(big_vocab)}
+    spec = {"method": "ddtree", "model": str(tiny_models / "drafter")} | spec
+    spec["model"] = models.get(spec["model"], spec["model"])
+    with pytest.raises(ValueError, match=message):
+        engine_config(tiny_models, spec, **engine_kwargs)
+
+
+def test_recurrent_target_is_refused(tiny_models: Path) -> None:
+    from types import SimpleNamespace
+
+    from vllm_ddtree.config import verify_drafter
+
+    drafter = SimpleNamespace(dflash_config={"mask_token_id": 3}, block_size=8, vocab_size=64)
+    target = SimpleNamespace(model="some/hybrid-model", is_hybrid=True, has_inner_state=True,
+                             get_vocab_size=lambda: 64)
+    spec = SimpleNamespace(model="drafter", num_speculative_tokens=None, target_model_config=target,
+                           draft_model_config=SimpleNamespace(hf_config=drafter))
+    with pytest.raises(ValueError, match="recurrent \\(Mamba/GDN\\) layers"):
+        verify_drafter(spec)
+    assert spec.num_speculative_tokens == 7  # defaulted to block_size - 1 before the refusal
+
+
+def test_dotted_cli_keys_work_like_json(tiny_models: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    drafter = str(tiny_models / "drafter")
+    dotted = parser.parse_args(["--model", str(tiny_models / "target"),
+                                "--speculative-config.method", "ddtree",
+                                "--speculative-config.model", drafter,
+                                "--speculative-config.tree_budget", "0"])
+    as_json = parser.parse_args(["--model", str(tiny_models / "target"), "--speculative-config",
+                                 json.dumps({"method": "ddtree", "model": drafter,
+                                             "tree_budget": 0})])
+    assert dotted.speculative_config == as_json.speculative_config
+    for args in (dotted, as_json):
+        with pytest.raises(ValueError, match="speculative_config.tree_budget must be"):
+            EngineArgs.from_cli_args(args).create_engine_config()

@@ -1,0 +1,97 @@
+"""Method "ddtree" in vLLM's configuration: defaults, validation, and the settings it implies.
+
+DDTree runs DFlash's drafter (same checkpoints, same context handling and drafter KV cache)
+and replaces the chain's verification with tree verification. So after validation the
+SpeculativeConfig carries ``method="dflash"`` plus ``tree_budget`` (the mark of DDTree, see
+``is_ddtree``), and every DFlash code path in vLLM sets the drafter up unchanged. Each
+error names the field at fault. The patches call in at three points (patches/0001, 0004).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_ddtree.tree import MAX_BUDGET
+
+DEFAULT_TREE_BUDGET = 64
+TREE_FIELDS = ("tree_budget", "tree_spine")
+
+
+def is_ddtree(speculative_config: Any) -> bool:
+    return getattr(speculative_config, "tree_budget", None) is not None
+
+
+def resolve_speculative_config(spec: Any) -> None:
+    """Start of SpeculativeConfig.__post_init__: defaults and checks of the tree fields."""
+    if spec.method != "ddtree":
+        for name in TREE_FIELDS:
+            if getattr(spec, name) is not None:
+                raise ValueError(f"speculative_config.{name} applies to method 'ddtree' only, "
+                                 f"not to method {spec.method!r}")
+        return
+    if spec.model is None:
+        raise ValueError("speculative_config.model: method 'ddtree' needs a DFlash drafter "
+                         "checkpoint (the same ones method 'dflash' takes)")
+    if spec.tree_budget is None:
+        spec.tree_budget = DEFAULT_TREE_BUDGET
+    if spec.tree_spine is None:
+        spec.tree_spine = True
+    if isinstance(spec.tree_budget, bool) or not isinstance(spec.tree_budget, int) or not (
+            1 <= spec.tree_budget <= MAX_BUDGET):
+        raise ValueError(f"speculative_config.tree_budget must be an integer in "
+                         f"[1, {MAX_BUDGET}], got {spec.tree_budget!r}")
+    if not isinstance(spec.tree_spine, bool):
+        raise ValueError(f"speculative_config.tree_spine must be true or false, got "
+                         f"{spec.tree_spine!r}")
+    spec.method = "dflash"
+
+
+def verify_drafter(spec: Any) -> None:
+    """After the draft model's config is loaded: a DFlash drafter fit for this target."""
+    hf = spec.draft_model_config.hf_config
+    if not getattr(hf, "dflash_config", None):
+        raise ValueError(f"speculative_config.model {spec.model!r} has no dflash_config: "
+                         f"method 'ddtree' needs a DFlash drafter")
+    block_size = getattr(hf, "block_size", None)
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"speculative_config.model {spec.model!r}: the drafter's config has "
+                         f"no usable block_size (got {block_size!r})")
+    depth = block_size - 1
+    if spec.num_speculative_tokens is None:
+        spec.num_speculative_tokens = depth
+    elif spec.num_speculative_tokens > depth:
+        raise ValueError(f"speculative_config.num_speculative_tokens is "
+                         f"{spec.num_speculative_tokens}, deeper than the drafter drafts: at "
+                         f"most block_size - 1 = {depth}")
+    target = spec.target_model_config
+    if hf.vocab_size != target.get_vocab_size():
+        raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
+                         f"{hf.vocab_size} tokens, the target {target.get_vocab_size()}: "
+                         f"they must match")
+    if target.is_hybrid or target.has_inner_state:
+        raise ValueError(f"speculative_config.method 'ddtree': the target {target.model!r} has "
+                         f"recurrent (Mamba/GDN) layers, whose state cannot branch over a "
+                         f"tree; use an attention-only target")
+
+
+def verify_vllm_config(vllm_config: Any) -> None:
+    """In VllmConfig.__post_init__: checks that need the scheduler and attention settings."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    spec = vllm_config.speculative_config
+    tree_attn = AttentionBackendEnum["TREE_ATTN"]
+    backend = vllm_config.attention_config.backend
+    if backend is not None and backend != tree_attn:
+        raise ValueError(f"attention_config.backend is {backend.name}, which cannot attend "
+                         f"over a token tree: method 'ddtree' needs TREE_ATTN (leave "
+                         f"--attention-backend unset or set it to TREE_ATTN)")
+    vllm_config.attention_config.backend = tree_attn
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if spec.tree_budget + 1 > tokens:
+        raise ValueError(f"speculative_config.tree_budget is {spec.tree_budget}: a verify step "
+                         f"needs tree_budget + 1 = {spec.tree_budget + 1} tokens, more than "
+                         f"max_num_batched_tokens ({tokens})")
+    raise NotImplementedError(
+        "speculative_config.method 'ddtree': the configuration is valid, but tree "
+        "verification in vLLM's model runner is not implemented in this version of "
+        "vllm-ddtree yet; use method 'dflash' with the same drafter meanwhile")

@@ -3,8 +3,11 @@
 DDTree runs DFlash's drafter (same checkpoints, same context handling and drafter KV cache)
 and replaces the chain's verification with tree verification. So after validation the
 SpeculativeConfig carries ``method="dflash"`` plus ``tree_budget`` (the mark of DDTree, see
-``is_ddtree``), and every DFlash code path in vLLM sets the drafter up unchanged. Each
-error names the field at fault. The patches call in at three points (patches/0001, 0004).
+``is_ddtree``), and every DFlash code path in vLLM sets the drafter up unchanged. What the
+user gives as ``num_speculative_tokens`` is the tree's depth (the drafter's mask positions,
+default block_size - 1); it moves to ``tree_depth``, and ``num_speculative_tokens`` becomes
+``tree_budget``: the number of draft tokens vLLM's scheduler schedules per step. Each error
+names the field at fault. The patches call in at three points (patches/0001, 0004).
 """
 
 from __future__ import annotations
@@ -57,12 +60,13 @@ def verify_drafter(spec: Any) -> None:
         raise ValueError(f"speculative_config.model {spec.model!r}: the drafter's config has "
                          f"no usable block_size (got {block_size!r})")
     depth = block_size - 1
-    if spec.num_speculative_tokens is None:
-        spec.num_speculative_tokens = depth
-    elif spec.num_speculative_tokens > depth:
+    if spec.num_speculative_tokens is not None and spec.num_speculative_tokens > depth:
         raise ValueError(f"speculative_config.num_speculative_tokens is "
                          f"{spec.num_speculative_tokens}, deeper than the drafter drafts: at "
                          f"most block_size - 1 = {depth}")
+    # A tree of B nodes is at most B deep: the drafter need not draft further.
+    spec.tree_depth = min(spec.num_speculative_tokens or depth, spec.tree_budget)
+    spec.num_speculative_tokens = spec.tree_budget
     target = spec.target_model_config
     if hf.vocab_size != target.get_vocab_size():
         raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
@@ -91,7 +95,6 @@ def verify_vllm_config(vllm_config: Any) -> None:
         raise ValueError(f"speculative_config.tree_budget is {spec.tree_budget}: a verify step "
                          f"needs tree_budget + 1 = {spec.tree_budget + 1} tokens, more than "
                          f"max_num_batched_tokens ({tokens})")
-    raise NotImplementedError(
-        "speculative_config.method 'ddtree': the configuration is valid, but tree "
-        "verification in vLLM's model runner is not implemented in this version of "
-        "vllm-ddtree yet; use method 'dflash' with the same drafter meanwhile")
+    if vllm_config.model_config is not None and vllm_config.model_config.uses_mrope:
+        raise ValueError("speculative_config.method 'ddtree': M-RoPE targets are not "
+                         "supported (tree positions are written for 1-D RoPE)")

@@ -121,7 +121,7 @@ void compact_tree_cpu(at::TensorList kv_caches, const at::Tensor& hidden_states,
                        " is node ", node, ": must be in (", j, ", ", len, ")");
       if (node == j + 1) continue;  // already in place
       const int64_t src = qs[r] + node, dst = qs[r] + j + 1;
-      DDTREE_CHECK_ARG(src < num_slots_in_map, op, "slot_mapping",
+      DDTREE_CHECK_ARG(kv_caches.empty() || src < num_slots_in_map, op, "slot_mapping",
                        "is shorter than query_start_loc implies");
       for (const auto& cache : kv_caches) {
         const int64_t capacity = cache.size(0) * cache.size(2);

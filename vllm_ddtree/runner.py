@@ -1,0 +1,204 @@
+"""DDTree inside vLLM's V1 model runner: the proposer and the per-step tree bookkeeping.
+
+The runner patch (patches/0005) calls in at four points; everything else is here:
+
+1. construction: ``DDTreeProposer`` replaces ``DFlashProposer``, and ``DDTreeState``
+   holds the trees between steps and the step's ``TreeBatch`` for TREE_ATTN;
+2. ``DDTreeState.prepare_step`` after the runner wrote chain positions and slot mappings:
+   gather each request's tree (by request id: rows move between steps), write depth-aware
+   positions in place, hand the trees to the attention backend;
+3. ``DDTreeState.verify`` instead of the rejection sampler: the target's choice at every
+   node, the walk (``verify_tree``), and the compaction of the accepted path's KV entries and
+   hidden states to the first slots/rows, so the scheduler's rollback (drafts - accepted)
+   and DFlash's context handling work as for a chain; chain positions are restored;
+4. ``DDTreeProposer._sample_draft_tokens``: the drafter's logits become trees (``build_tree``).
+
+Rows with drafts but no stored tree (placeholders) are verified as chains; rows without
+drafts just take the target's token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree import ops
+from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.tree import DraftTrees
+
+
+class DDTreeProposer(DFlashProposer):
+    """DFlash's drafter, drafting per-depth logits that become a tree of ``tree_budget``
+    nodes; returns the nodes' tokens (what the scheduler schedules) and keeps the trees."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any) -> None:
+        spec = vllm_config.speculative_config
+        super().__init__(vllm_config, device, runner)
+        self.budget, self.depth, self.spine = spec.tree_budget, spec.tree_depth, spec.tree_spine
+        self.ddtree_state = DDTreeState(runner, self.budget)
+        self._roots: torch.Tensor | None = None
+
+    def propose(self, num_speculative_tokens: int, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, *args, **kwargs) -> torch.Tensor:
+        self._roots = next_token_ids
+        super().propose(self.depth, target_token_ids, target_positions, target_hidden_states,
+                        next_token_ids, *args, **kwargs)
+        return self.ddtree_state.proposed.token_ids[:, 1:]
+
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any
+                             ) -> tuple[torch.Tensor, None]:
+        logits = self.model.compute_logits(hidden_states)  # [R * depth, V], request-major
+        R = logits.shape[0] // self.depth
+        trees = ops.build_tree_from_logits(self._roots[:R].to(torch.int64),
+                                           logits.view(R, self.depth, -1), self.budget,
+                                           self.spine)
+        state = self.ddtree_state
+        state.store(trees, list(state.runner.input_batch.req_ids[:R]))
+        # The base class views this as [R, depth]; the tree tokens are returned by propose.
+        return trees.depths.new_zeros(R * self.depth, dtype=torch.int64), None
+
+
+class DDTreeState:
+    def __init__(self, runner: Any, budget: int) -> None:
+        self.runner, self.budget = runner, budget
+        self.num_nodes = budget + 1
+        self.trees = tree_batch.TreeBatch(runner.max_num_reqs, budget, runner.device)
+        tree_batch.install(self.trees)
+        self.proposed: DraftTrees | None = None
+        self.proposed_rows: dict[str, int] = {}
+        self.step: dict[str, torch.Tensor] | None = None
+        self.node = torch.arange(self.num_nodes, device=runner.device)
+
+    def store(self, trees: DraftTrees, req_ids: list[str]) -> None:
+        self.proposed = trees
+        self.proposed_rows = {rid: i for i, rid in enumerate(req_ids)}
+
+    def prepare_step(self, spec_decode_metadata: Any, num_tokens: int) -> None:
+        """After the runner's _prepare_inputs: this step's trees, positions and masks."""
+        if spec_decode_metadata is None:
+            self.trees.clear()
+            self.step = None
+            return
+        runner, N, dev = self.runner, self.num_nodes, self.runner.device
+        drafts = spec_decode_metadata.num_draft_tokens
+        R = len(drafts)
+        src = [self.proposed_rows.get(rid, -1) if n > 0 else -1
+               for rid, n in zip(runner.input_batch.req_ids[:R], drafts)]
+        src = torch.tensor(src, device=dev)
+        has_tree = src >= 0
+        n = torch.tensor(drafts, device=dev)
+        chain_depth = self.node.expand(R, N)
+        chain_child = torch.where(self.node + 1 < N, self.node + 1, -1).expand(R, N)
+        if self.proposed is not None:
+            got = [t[src.clamp(min=0)] for t in (self.proposed.depths,
+                                                 self.proposed.first_child,
+                                                 self.proposed.next_sibling)]
+            pick = has_tree[:, None]
+            depths = torch.where(pick, got[0], chain_depth)
+            first_child = torch.where(pick, got[1], chain_child)
+            next_sibling = torch.where(pick, got[2], -1)
+            self.trees.set_trees(torch.where(has_tree, torch.arange(R, device=dev), -1),
+                                 self.proposed.ancestor_mask[src.clamp(min=0)])
+        else:  # nothing proposed yet: every drafted row is a chain
+            depths, first_child = chain_depth, chain_child
+            next_sibling = torch.full_like(chain_depth, -1)
+            self.trees.clear()
+        # A scheduled prefix of the nodes is a tree (parents precede children): drop links
+        # to nodes beyond this step's drafts.
+        first_child = torch.where(first_child <= n[:, None], first_child, -1)
+        next_sibling = torch.where(next_sibling <= n[:, None], next_sibling, -1)
+        qsl = runner.query_start_loc.gpu[:R + 1].to(torch.int64)
+        rows = (qsl[:-1, None] + self.node).clamp(max=num_tokens - 1)
+        valid = self.node <= n[:, None]
+        token_ids = torch.where(valid, runner.input_ids.gpu[rows].to(torch.int64), -1)
+        # Depth-aware positions, in place: node i of a tree sits at root position + depth.
+        req = runner.req_indices.gpu[:num_tokens]
+        qpos = runner.query_pos.gpu[:num_tokens]
+        in_tree = has_tree[req] & (qpos < N)
+        delta = torch.where(in_tree, depths[req, qpos.clamp(max=N - 1)] - qpos, 0)
+        runner.positions[:num_tokens] += delta
+        self.step = dict(token_ids=token_ids, first_child=first_child.to(torch.int32),
+                         next_sibling=next_sibling.to(torch.int32), valid=valid, qsl=qsl,
+                         delta=delta, num_tokens=num_tokens)
+
+    def verify(self, logits: torch.Tensor, spec_decode_metadata: Any, hidden_states: Any,
+               aux_hidden_states: Any) -> SamplerOutput:
+        """Tree verification in place of the rejection sampler, then compaction."""
+        runner, step = self.runner, self.step
+        runner.input_batch.update_async_output_token_ids()
+        sampling = runner.input_batch.sampling_metadata
+        if not sampling.all_greedy:
+            raise NotImplementedError("method 'ddtree' verifies greedy requests only so far")
+        drafts = spec_decode_metadata.num_draft_tokens
+        n = torch.tensor(drafts, device=logits.device)
+        start = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device) - (1 + n)
+        rows = (start[:, None] + self.node).clamp(max=logits.shape[0] - 1)
+        choice = torch.where(step["valid"], logits.argmax(dim=-1)[rows], -1)
+        verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
+            step["token_ids"], step["first_child"], step["next_sibling"], choice,
+            self.budget))
+        self._compact(verdict, hidden_states, aux_hidden_states)
+        num_tokens = step["num_tokens"]
+        runner.positions[:num_tokens] -= step["delta"]  # chain positions for the drafter
+        self.step = None
+        return SamplerOutput(sampled_token_ids=verdict.output_tokens.to(torch.int32),
+                             logprobs_tensors=None)
+
+    def _compact(self, verdict: ops.Verdict, hidden_states: Any, aux_hidden_states: Any
+                 ) -> None:
+        qsl = self.step["qsl"]
+        for h in [hidden_states, *(aux_hidden_states or [])]:
+            if isinstance(h, torch.Tensor) and h.dim() == 2:
+                ops.compact_tree([], h, qsl.new_zeros(1), qsl, verdict)
+        for caches, slot_mapping in self._target_kv_caches():
+            if caches[0][1].device.type == "cpu":
+                _compact_cpu_attn_caches(caches, slot_mapping, qsl, verdict)
+            else:
+                ops.compact_tree([c for _, c in caches], torch.empty(0), slot_mapping, qsl,
+                                 verdict)
+
+    def _target_kv_caches(self):
+        """Per KV-cache group: the target's attention layers' caches and the slot mapping."""
+        runner = self.runner
+        draft = getattr(runner.drafter, "_draft_attn_layer_names", set())
+        context = runner.compilation_config.static_forward_context
+        for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            layers = [(context[name], context[name].kv_cache) for name in group.layer_names
+                      if name not in draft and name in context]
+            layers = [(layer, c) for layer, c in layers
+                      if isinstance(c, torch.Tensor) and c.dim() == 4]
+            if layers:
+                yield layers, runner.input_batch.block_table[gid].slot_mapping.gpu
+
+
+def _compact_cpu_attn_caches(layers: list, slot_mapping: torch.Tensor, qsl: torch.Tensor,
+                             verdict: ops.Verdict) -> None:
+    """compact_tree for CPU_ATTN's caches, whose keys are packed per ISA inside a block."""
+    from vllm_ddtree.attention.cpu_backend import block_layout
+
+    num = verdict.num_accepted.tolist()
+    src, dst = [], []
+    for r, count in enumerate(num):
+        for j in range(count):
+            node = int(verdict.accepted[r, j])
+            if node != j + 1:
+                src.append(int(qsl[r]) + node)
+                dst.append(int(qsl[r]) + j + 1)
+    if not src:
+        return
+    src_slots, dst_slots = slot_mapping[src].long(), slot_mapping[dst].long()
+    for layer, cache in layers:
+        blocks, heads, page, width = cache.shape
+        head_size = width // 2
+        perm_k, perm_v = block_layout(layer.isa, cache.dtype, page, head_size)
+        tiles = cache.view(blocks, heads, 2, page * head_size)  # keys tile, values tile
+        for side, perm in ((0, perm_k), (1, perm_v)):
+            where = perm.view(page, head_size)
+            read = where[src_slots % page]  # [moves, head_size] offsets in the tile
+            write = where[dst_slots % page]
+            h = torch.arange(heads)[None, :, None]
+            values = tiles[(src_slots // page)[:, None, None], h, side, read[:, None, :]]
+            tiles[(dst_slots // page)[:, None, None], h, side, write[:, None, :]] = values

@@ -50,7 +50,7 @@ class DDTreeProposer(DFlashProposer):
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any
                              ) -> tuple[torch.Tensor, None]:
-        logits = self.model.compute_logits(hidden_states)  # [R * depth, V], request-major
+        logits = self.draft_logits(hidden_states)  # [R * depth, V], request-major
         R = logits.shape[0] // self.depth
         trees = ops.build_tree_from_logits(self._roots[:R].to(torch.int64),
                                            logits.view(R, self.depth, -1), self.budget,
@@ -59,6 +59,9 @@ class DDTreeProposer(DFlashProposer):
         state.store(trees, list(state.runner.input_batch.req_ids[:R]))
         # The base class views this as [R, depth]; the tree tokens are returned by propose.
         return trees.depths.new_zeros(R * self.depth, dtype=torch.int64), None
+
+    def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states)
 
 
 class DDTreeState:
@@ -71,6 +74,11 @@ class DDTreeState:
         self.proposed_rows: dict[str, int] = {}
         self.step: dict[str, torch.Tensor] | None = None
         self.node = torch.arange(self.num_nodes, device=runner.device)
+        # Counters kept on the device (read them with stats(), which syncs): verify steps
+        # of tree requests, the longest accepted path, and paths that left the node-index ==
+        # depth line (with the spine: paths off the drafter's greedy chain).
+        self._stats = torch.zeros(3, dtype=torch.int64, device=runner.device)
+        self.last_verdict: ops.Verdict | None = None
 
     def store(self, trees: DraftTrees, req_ids: list[str]) -> None:
         self.proposed = trees
@@ -78,6 +86,7 @@ class DDTreeState:
 
     def prepare_step(self, spec_decode_metadata: Any, num_tokens: int) -> None:
         """After the runner's _prepare_inputs: this step's trees, positions and masks."""
+        self.last_verdict = None
         if spec_decode_metadata is None:
             self.trees.clear()
             self.step = None
@@ -141,11 +150,25 @@ class DDTreeState:
             step["token_ids"], step["first_child"], step["next_sibling"], choice,
             self.budget))
         self._compact(verdict, hidden_states, aux_hidden_states)
+        self._count(verdict)
         num_tokens = step["num_tokens"]
         runner.positions[:num_tokens] -= step["delta"]  # chain positions for the drafter
         self.step = None
         return SamplerOutput(sampled_token_ids=verdict.output_tokens.to(torch.int32),
                              logprobs_tensors=None)
+
+    def _count(self, verdict: ops.Verdict) -> None:
+        self.last_verdict = verdict
+        depth = torch.arange(1, verdict.accepted.shape[1] + 1, device=verdict.accepted.device)
+        off_line = ((verdict.accepted > 0) & (verdict.accepted != depth)).any(dim=1)
+        self._stats[0] += verdict.num_accepted.shape[0]
+        self._stats[1] = torch.maximum(self._stats[1], verdict.num_accepted.max().long())
+        self._stats[2] += off_line.sum()
+
+    def stats(self) -> dict[str, int]:
+        steps, longest, off_line = self._stats.tolist()
+        return {"verified_rows": steps, "longest_accepted": longest,
+                "paths_off_the_index_line": off_line}
 
     def _compact(self, verdict: ops.Verdict, hidden_states: Any, aux_hidden_states: Any
                  ) -> None:

@@ -1,0 +1,135 @@
+"""Method "ddtree" end to end on CPU with the tiny pair: greedy output is the target's own,
+token for token, across budgets, spine on/off and concurrency; and with a drafter that
+often guesses right, deep and off-chain acceptance happens and output stays lossless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(16)] + [
+    f"The {w} of the {v} is" for w in ("name", "size", "end", "start", "type", "value",
+                                        "first", "last") for v in ("list", "file")]
+MAX_TOKENS = 20
+
+
+def generate(tiny_models: Path, spec: dict | None, max_num_seqs: int = 8,
+             max_tokens: int = MAX_TOKENS, prompts: list[str] = PROMPTS):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
+              seed=0, dtype="float32", max_num_seqs=max_num_seqs, disable_log_stats=False,
+              speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, llm
+
+
+def ddtree_state(llm):
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    return runner.drafter.ddtree_state
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_models: Path) -> dict[str, list]:
+    """The target alone (and vLLM's dflash chain), greedy: what ddtree must reproduce."""
+    outputs, _ = generate(tiny_models, None, max_tokens=MAX_TOKENS + 16)
+    plain = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    assert len(plain) == len(PROMPTS)
+    return plain
+
+
+def test_dflash_chain_matches_the_target(tiny_models: Path, baseline) -> None:
+    outputs, _ = generate(tiny_models, {"method": "dflash", "model": str(tiny_models / "drafter"),
+                                        "num_speculative_tokens": 7})
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+        p: t[:MAX_TOKENS] for p, t in baseline.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+@pytest.mark.parametrize("spine", [True, False])
+@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+def test_greedy_is_lossless(tiny_models: Path, baseline, budget, spine, max_num_seqs) -> None:
+    spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": budget,
+            "tree_spine": spine}
+    outputs, llm = generate(tiny_models, spec, max_num_seqs=max_num_seqs)
+    got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    assert got == {p: t[:MAX_TOKENS] for p, t in baseline.items()}
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    # Every draft is a tree node: the scheduler counts tree_budget per verify step.
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == (
+        budget * metrics["vllm:spec_decode_num_drafts"])
+
+
+def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str], seed: int):
+    """A drafter that knows the target's greedy continuation and shows it imperfectly: per
+    depth the true token is ranked first (55%), second or third (30%), or missing (15%)."""
+
+    def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        state, depth = self.ddtree_state, self.depth
+        batch = state.runner.input_batch
+        rows = hidden_states.shape[0] // depth
+        vocab = self.model.compute_logits(hidden_states[:1]).shape[-1]
+        logits = torch.zeros(rows, depth, vocab)
+        for r in range(rows):
+            history = list(batch.token_ids_cpu[r, :batch.num_tokens_no_spec[r]])
+            verdict = state.last_verdict
+            if verdict is not None:
+                emitted = verdict.output_tokens[r, :int(verdict.num_accepted[r]) + 1].tolist()
+            else:
+                emitted = [int(self._roots[r])]
+            seq = history + emitted
+            prompt = next(p for ids, p in prompt_ids.items() if tuple(seq[:len(ids)]) == ids)
+            done = len(seq) - len(next(i for i, p in prompt_ids.items() if p == prompt))
+            rng = np.random.default_rng([seed, len(seq), *seq[-3:]])
+            logits[r] = torch.from_numpy(rng.normal(size=(depth, vocab)))
+            for d in range(depth):
+                if done + d >= len(baseline[prompt]):
+                    break
+                true = baseline[prompt][done + d]
+                u = rng.random()
+                if u < 0.55:
+                    logits[r, d, true] = 12.0
+                elif u < 0.85:
+                    others = rng.choice(vocab, size=2, replace=False)
+                    logits[r, d, others[0]] = 13.0
+                    if u > 0.7:
+                        logits[r, d, others[1]] = 12.5
+                    logits[r, d, true] = 12.0
+        return logits.flatten(0, 1)
+
+    return draft_logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spine", [True, False])
+def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline, monkeypatch,
+                                                    spine) -> None:
+    from vllm_ddtree.runner import DDTreeProposer
+
+    _, llm = generate(tiny_models, None, max_tokens=1)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = {tuple(tokenizer.encode(p)): p for p in PROMPTS}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=1))
+    spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16,
+            "tree_spine": spine}
+    outputs, llm = generate(tiny_models, spec)
+    got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    assert got == {p: t[:MAX_TOKENS] for p, t in baseline.items()}
+    stats = ddtree_state(llm).stats()
+    print("ddtree stats", spine, stats)
+    assert stats["longest_accepted"] >= 3, stats
+    if spine:  # the spine is nodes 1..depth: an accepted node off that line is off-chain
+        assert stats["paths_off_the_index_line"] > 0, stats
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    drafts, accepted = (metrics[f"vllm:spec_decode_num_{k}"] for k in ("drafts",
+                                                                      "accepted_tokens"))
+    assert accepted / drafts > 1.0, (accepted, drafts)  # mean acceptance length > 2

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The main job: serve a target with a speculative drafter through `vllm serve` on 127.0.0.1,
+# The main job: serve a target with DDTree (a DFlash drafter's token tree, verified by the
+# target in one forward) through `vllm serve` on 127.0.0.1,
 # send one chat request, print the reply and the speculative decoding stats, stop the server.
 #
 #   scripts/demo.sh                                  # the tiny pair on CPU (built if missing)
 #   scripts/demo.sh --target DIR --drafter DIR       # real models (on a GPU machine)
-#   options: --port N (8000)  --prompt TEXT  --max-tokens N (64)
+#   options: --port N (8000)  --prompt TEXT  --max-tokens N (64)  --budget N (tree nodes, 16)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 MODELS=${VLLM_DDTREE_MODELS:-$REPO/models/tiny}
-TARGET="" DRAFTER="" PORT=8000 MAX_TOKENS=64
+TARGET="" DRAFTER="" PORT=8000 MAX_TOKENS=64 BUDGET=16
 PROMPT="Write a Python function that reverses a list."
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -18,6 +19,7 @@ while [ $# -gt 0 ]; do
     --port) PORT=$2; shift 2 ;;
     --prompt) PROMPT=$2; shift 2 ;;
     --max-tokens) MAX_TOKENS=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
     -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -35,10 +37,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
   EXTRA+=(--enforce-eager --max-model-len 1024)
 fi
-# DFlash drafts one block: the bonus token plus block_size - 1 draft positions.
-DEPTH=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["block_size"] - 1)' \
-  "$DRAFTER/config.json")
-SPEC="{\"method\": \"dflash\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $DEPTH}"
+SPEC="{\"method\": \"ddtree\", \"model\": \"$DRAFTER\", \"tree_budget\": $BUDGET}"
 
 LOG=$(mktemp /tmp/vllm-ddtree-demo.XXXXXX.log)
 echo "[demo] vllm serve $TARGET --speculative-config '$SPEC' (log: $LOG)"
@@ -77,7 +76,7 @@ def total(name):
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
 drafts, drafted, accepted = (total(f"vllm:spec_decode_num_{n}_total")
                              for n in ("drafts", "draft_tokens", "accepted_tokens"))
-print(f"[demo] speculative decoding: {drafts:.0f} drafts, {drafted:.0f} draft tokens, "
-      f"{accepted:.0f} accepted, mean acceptance length "
+print(f"[demo] speculative decoding (ddtree): {drafts:.0f} verify steps, {drafted:.0f} tree "
+      f"nodes drafted, {accepted:.0f} accepted, mean acceptance length "
       f"{(1 + accepted / drafts) if drafts else float('nan'):.2f} tokens per target forward")
 PYEOF

@@ -34,7 +34,8 @@ def test_demo_serves_a_chat_reply(tmp_path: Path) -> None:
     assert (tmp_path / "models/drafter/model.safetensors").is_file()  # built when missing
     reply = re.search(r"^\[demo\] reply \((\d+) tokens\): '(.+)'$", result.stdout, re.M)
     assert reply and int(reply.group(1)) == 24 and reply.group(2).strip(), out[-3000:]
-    stats = re.search(r"speculative decoding: (\d+) drafts, (\d+) draft tokens", result.stdout)
+    stats = re.search(r"speculative decoding \(ddtree\): (\d+) verify steps, (\d+) tree nodes",
+                      result.stdout)
     assert stats and int(stats.group(1)) > 0 and int(stats.group(2)) > 0, out[-3000:]
     log = re.search(r"\(log: (\S+)\)", result.stdout).group(1)
     assert "vllm-ddtree plugin registered" in Path(log).read_text()

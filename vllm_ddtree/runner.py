@@ -27,6 +27,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.sampling import node_choices
 from vllm_ddtree.tree import DraftTrees
 
 
@@ -138,14 +139,13 @@ class DDTreeState:
         """Tree verification in place of the rejection sampler, then compaction."""
         runner, step = self.runner, self.step
         runner.input_batch.update_async_output_token_ids()
-        sampling = runner.input_batch.sampling_metadata
-        if not sampling.all_greedy:
-            raise NotImplementedError("method 'ddtree' verifies greedy requests only so far")
         drafts = spec_decode_metadata.num_draft_tokens
+        cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device)
+        per_row = node_choices(logits, [1 + n for n in drafts],
+                               runner.input_batch.sampling_metadata)
         n = torch.tensor(drafts, device=logits.device)
-        start = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device) - (1 + n)
-        rows = (start[:, None] + self.node).clamp(max=logits.shape[0] - 1)
-        choice = torch.where(step["valid"], logits.argmax(dim=-1)[rows], -1)
+        rows = (cu_sampled - (1 + n))[:, None] + self.node
+        choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
             step["token_ids"], step["first_child"], step["next_sibling"], choice,
             self.budget))

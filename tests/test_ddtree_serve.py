@@ -1,0 +1,134 @@
+"""`vllm serve` with method "ddtree" given in the dotted CLI form (scripts/demo.sh covers
+the JSON form): completions and chat completions, streaming or not, agree; /metrics has the
+speculative-decoding counters; a sampling parameter the tree path does not honour gets a
+400 naming it, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(base: str, path: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(base + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def streamed_text(payload: str, chat: bool) -> str:
+    text = ""
+    for line in payload.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            choice = json.loads(line[6:])["choices"][0]
+            text += (choice.get("delta", {}).get("content") or "") if chat else choice["text"]
+    return text
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    vllm = str(Path(sys.executable).parent / "vllm")
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [vllm, "serve", str(tiny_models / "target"), "--host", "127.0.0.1", "--port",
+             str(port), "--served-model-name", "tiny", "--enforce-eager", "--max-model-len",
+             "512", "--speculative-config.method", "ddtree", "--speculative-config.model",
+             str(tiny_models / "drafter"), "--speculative-config.tree_budget", "8"],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                break
+        except OSError:
+            pass
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            pytest.fail("vllm serve did not come up:\n" + log.read_text()[-4000:])
+        time.sleep(1)
+    yield base
+    process.terminate()
+    process.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_completions_streaming_and_not_agree(server: str) -> None:
+    body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 16, "temperature": 0}
+    status, plain = post(server, "/v1/completions", body)
+    assert status == 200, plain
+    text = json.loads(plain)["choices"][0]["text"]
+    status, stream = post(server, "/v1/completions", body | {"stream": True})
+    assert status == 200 and streamed_text(stream, chat=False) == text and text
+
+
+@pytest.mark.slow
+def test_chat_completions_streaming_and_not_agree(server: str) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Sort a list."}],
+            "max_tokens": 16, "temperature": 0}
+    status, plain = post(server, "/v1/chat/completions", body)
+    assert status == 200, plain
+    text = json.loads(plain)["choices"][0]["message"]["content"]
+    status, stream = post(server, "/v1/chat/completions", body | {"stream": True})
+    assert status == 200 and streamed_text(stream, chat=True) == text and text
+
+
+@pytest.mark.slow
+def test_sampling_with_seed_is_served(server: str) -> None:
+    body = {"model": "tiny", "prompt": "x =", "max_tokens": 12, "temperature": 1.0,
+            "top_k": 20, "top_p": 0.9, "seed": 7}
+    first, second = post(server, "/v1/completions", body), post(server, "/v1/completions", body)
+    assert first[0] == second[0] == 200
+    assert json.loads(first[1])["choices"][0]["text"] == json.loads(second[1])["choices"][0][
+        "text"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("param, value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.2),
+    ("logprobs", 2), ("min_tokens", 4), ("logit_bias", {"5": 10}), ("n", 2),
+])
+def test_unsupported_parameter_is_a_400_and_the_server_keeps_serving(server: str, param,
+                                                                       value) -> None:
+    body = {"model": "tiny", "prompt": "x =", "max_tokens": 4, "temperature": 0}
+    status, payload = post(server, "/v1/completions", body | {param: value})
+    assert status == 400, payload
+    assert param in payload
+    status, payload = post(server, "/v1/completions", body)
+    assert status == 200, payload
+
+
+@pytest.mark.slow
+def test_metrics_show_tree_verification(server: str) -> None:
+    post(server, "/v1/completions", {"model": "tiny", "prompt": "for i in", "max_tokens": 8,
+                                     "temperature": 0})
+    metrics = urllib.request.urlopen(server + "/metrics", timeout=10).read().decode()
+    values = {}
+    for line in metrics.splitlines():
+        for name in ("num_drafts", "num_draft_tokens"):
+            if line.startswith(f"vllm:spec_decode_{name}_total"):
+                values[name] = values.get(name, 0) + float(line.split()[-1])
+    assert values.get("num_drafts", 0) > 0
+    assert values["num_draft_tokens"] == 8 * values["num_drafts"]  # tree nodes per step

@@ -1,0 +1,69 @@
+"""Sampling on the tree path: the target's choice at every node, and which request
+parameters the tree path honours.
+
+Lossless sampling needs no draft probabilities (the drafts are deterministic top-k): the
+target samples independently at every node with the request's own temperature / top-k /
+top-p (and seed), and the walk follows the sample; the first sample with no matching child
+is the bonus token. Each emitted token is thus a sample of the target given the accepted
+prefix, exactly as without speculation. Parameters whose logits processing depends on the
+path (penalties, bad words, ...) or that need per-token extras are refused per request with
+an error naming the parameter (an HTTP 400), while the server keeps serving.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# (parameter, value that means "unused"): anything else is refused on the tree path.
+UNSUPPORTED = (
+    ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+    ("min_p", 0.0), ("min_tokens", 0), ("logprobs", None), ("logit_bias", None),
+    ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None),
+    ("n", 1),
+)
+
+
+def validate_request(params: Any) -> None:
+    """Refuse, naming it, a sampling parameter the tree path does not honour."""
+    from vllm.exceptions import VLLMValidationError
+
+    for name, unused in UNSUPPORTED:
+        value = getattr(params, name, unused)
+        if value != unused and not (value == [] or value == {}):
+            raise VLLMValidationError(
+                f"{name}={value!r} is not supported with speculative method 'ddtree' (tree "
+                f"verification does not apply it); leave {name} unset", parameter=name,
+                value=value)
+
+
+def node_choices(logits: torch.Tensor, num_sampled: list[int], sampling_metadata: Any
+                 ) -> torch.Tensor:
+    """The target's token at every logits row (one row per tree node): argmax for greedy
+    requests, an independent sample from the processed distribution otherwise."""
+    greedy = logits.argmax(dim=-1)
+    if sampling_metadata.all_greedy:
+        return greedy
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    request = torch.repeat_interleave(
+        torch.arange(len(num_sampled), device=logits.device),
+        torch.tensor(num_sampled, device=logits.device))
+    sm = sampling_metadata
+    temperature = sm.temperature[request]
+    processed = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    processed = apply_top_k_top_p(
+        processed, None if sm.top_k is None else sm.top_k[request],
+        None if sm.top_p is None else sm.top_p[request])
+    probs = processed.softmax(dim=-1, dtype=torch.float32)
+    # Exponential race: argmax(p / q) with q ~ Exp(1) is a sample from p. Seeded requests
+    # draw their rows from their own generator.
+    noise = torch.empty_like(probs).exponential_()
+    starts = [0]
+    for n in num_sampled:
+        starts.append(starts[-1] + n)
+    for r, generator in sm.generators.items():
+        noise[starts[r]:starts[r + 1]].exponential_(generator=generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temperature == 0, greedy, sampled)

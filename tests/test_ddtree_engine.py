@@ -133,3 +133,53 @@ def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline,
     drafts, accepted = (metrics[f"vllm:spec_decode_num_{k}"] for k in ("drafts",
                                                                       "accepted_tokens"))
     assert accepted / drafts > 1.0, (accepted, drafts)  # mean acceptance length > 2
+
+
+def chi_square_p_value(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test of homogeneity; bins with an expected count below 5 in
+    either sample are pooled."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    bins, rest = [], [0, 0]
+    for token in set(ca) | set(cb):
+        pooled = ca[token] + cb[token]
+        if pooled * min(na, nb) / (na + nb) < 5:
+            rest[0] += ca[token]
+            rest[1] += cb[token]
+        else:
+            bins.append((ca[token], cb[token]))
+    if rest[0] + rest[1]:
+        bins.append(tuple(rest))
+    stat = 0.0
+    for x, y in bins:
+        pooled = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = pooled * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    dof = len(bins) - 1
+    return float(1 - torch.special.gammainc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.slow
+def test_sampling_matches_the_target_distribution(tiny_models: Path) -> None:
+    """Temperature 1 (top-k 3 to keep the support small): the 2nd and 3rd generated tokens,
+    the first ones speculation produces, are distributed as without speculation. Threshold:
+    the test fails when the chi-square p-value is below 0.001 (fixed seeds: deterministic)."""
+    from vllm import LLM, SamplingParams
+
+    samples = {}
+    for name, spec in (("plain", None), ("ddtree", {"method": "ddtree", "tree_budget": 8,
+                                                    "model": str(tiny_models / "drafter")})):
+        llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=128,
+                  seed=0, dtype="float32", max_num_seqs=64, speculative_config=spec)
+        params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=1000 + i)
+                  for i in range(800)]
+        outputs = llm.generate(["def main():"] * 800, params, use_tqdm=False)
+        samples[name] = [o.outputs[0].token_ids for o in outputs]
+        del llm
+    for position in (1, 2):
+        p = chi_square_p_value([t[position] for t in samples["plain"]],
+                               [t[position] for t in samples["ddtree"]])
+        assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"

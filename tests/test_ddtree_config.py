@@ -31,11 +31,17 @@ def test_resolves_defaults_onto_the_dflash_drafter(tiny_models: Path) -> None:
                                                                 True)
 
 
-def test_valid_config_reaches_the_runner_check(tiny_models: Path) -> None:
-    # Everything validates; what stops it is the (not yet written) tree runner, said plainly.
-    with pytest.raises(NotImplementedError, match="configuration is valid"):
-        engine_config(tiny_models, {"method": "ddtree", "model": str(tiny_models / "drafter"),
-                                    "tree_budget": 16, "tree_spine": False})
+def test_valid_config_maps_onto_dflash_with_tree_attention(tiny_models: Path) -> None:
+    config = engine_config(tiny_models, {"method": "ddtree", "model": str(tiny_models /
+                                         "drafter"), "tree_budget": 16, "tree_spine": False})
+    spec = config.speculative_config
+    assert (spec.method, spec.tree_budget, spec.tree_spine) == ("dflash", 16, False)
+    # The scheduler drafts tree_budget tokens per step; the drafter drafts block_size - 1.
+    assert (spec.num_speculative_tokens, spec.tree_depth) == (16, 7)
+    assert config.attention_config.backend.name == "TREE_ATTN"
+    shallow = engine_config(tiny_models, {"method": "ddtree", "tree_budget": 3,
+                                          "model": str(tiny_models / "drafter")})
+    assert shallow.speculative_config.tree_depth == 3  # 3 nodes are at most 3 deep
 
 
 @pytest.mark.parametrize("spec, engine_kwargs, message", [
@@ -74,11 +80,12 @@ def test_recurrent_target_is_refused(tiny_models: Path) -> None:
     drafter = SimpleNamespace(dflash_config={"mask_token_id": 3}, block_size=8, vocab_size=64)
     target = SimpleNamespace(model="some/hybrid-model", is_hybrid=True, has_inner_state=True,
                              get_vocab_size=lambda: 64)
-    spec = SimpleNamespace(model="drafter", num_speculative_tokens=None, target_model_config=target,
+    spec = SimpleNamespace(model="drafter", num_speculative_tokens=None, tree_budget=16,
+                           target_model_config=target,
                            draft_model_config=SimpleNamespace(hf_config=drafter))
     with pytest.raises(ValueError, match="recurrent \\(Mamba/GDN\\) layers"):
         verify_drafter(spec)
-    assert spec.num_speculative_tokens == 7  # defaulted to block_size - 1 before the refusal
+    assert spec.tree_depth == 7  # defaulted to block_size - 1 before the refusal
 
 
 def test_dotted_cli_keys_work_like_json(tiny_models: Path) -> None:

@@ -103,11 +103,12 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monke
         slot_mapping=slots)
     trees = tree_batch.TreeBatch(16, 11, "cpu")
     trees.set_trees(batch.tree_index, batch.ancestor_mask)
-    tree_batch.install(trees)
+    builder.vllm_config = SimpleNamespace(instance_id="test-mixed-batch")
+    tree_batch.install(builder.vllm_config, trees)
     try:
         metadata = builder.build(0, common)
     finally:
-        tree_batch.install(None)
+        tree_batch.install(builder.vllm_config, None)
     assert metadata.tree_requests == [r for r, k in enumerate(kinds) if k not in
                                       ("prefill", "decode")]
     # The impl reads only the model dtype from the current config.

@@ -70,7 +70,7 @@ class DDTreeState:
         self.runner, self.budget = runner, budget
         self.num_nodes = budget + 1
         self.trees = tree_batch.TreeBatch(runner.max_num_reqs, budget, runner.device)
-        tree_batch.install(self.trees)
+        tree_batch.install(runner.vllm_config, self.trees)
         self.proposed: DraftTrees | None = None
         self.proposed_rows: dict[str, int] = {}
         self.step: dict[str, torch.Tensor] | None = None

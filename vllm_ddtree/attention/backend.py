@@ -97,7 +97,7 @@ class TreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TreeAttentionMetadata:
         cm = common_attn_metadata
-        trees = tree_batch.current() or self._no_trees
+        trees = tree_batch.current(self.vllm_config) or self._no_trees
         return TreeAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,

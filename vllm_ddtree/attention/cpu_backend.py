@@ -108,7 +108,7 @@ class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
               fast_build: bool = False) -> TreeAttentionCPUMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         metadata = TreeAttentionCPUMetadata(**base.__dict__)
-        trees = tree_batch.current()
+        trees = tree_batch.current(self.vllm_config)
         num_reqs = common_attn_metadata.num_reqs
         if trees is None:
             return metadata

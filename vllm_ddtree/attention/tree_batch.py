@@ -3,11 +3,13 @@
 vLLM's metadata builders see only ``CommonAttentionMetadata``, which has no room for a
 tree. The DDTree runner writes the step's trees here (persistent buffers, so a captured
 CUDA graph reads fresh values) before attention metadata is built; a request whose
-``tree_index`` is -1 has no tree and attends causally. With no ``TreeBatch`` installed,
-TREE_ATTN is plain causal attention.
+``tree_index`` is -1 has no tree and attends causally. With no ``TreeBatch`` installed for
+the engine, TREE_ATTN is plain causal attention.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -32,13 +34,16 @@ class TreeBatch:
         self.tree_index.fill_(-1)
 
 
-_current: TreeBatch | None = None
+# Per engine (keyed by VllmConfig.instance_id): several engines may share a process.
+_installed: dict[str, TreeBatch] = {}
 
 
-def install(batch: TreeBatch | None) -> None:
-    global _current
-    _current = batch
+def install(vllm_config: Any, batch: TreeBatch | None) -> None:
+    if batch is None:
+        _installed.pop(vllm_config.instance_id, None)
+    else:
+        _installed[vllm_config.instance_id] = batch
 
 
-def current() -> TreeBatch | None:
-    return _current
+def current(vllm_config: Any) -> TreeBatch | None:
+    return _installed.get(getattr(vllm_config, "instance_id", None))

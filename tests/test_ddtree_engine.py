@@ -183,3 +183,45 @@ def test_sampling_matches_the_target_distribution(tiny_models: Path) -> None:
         p = chi_square_p_value([t[position] for t in samples["plain"]],
                                [t[position] for t in samples["ddtree"]])
         assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"
+
+
+@pytest.mark.slow
+def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
+                                                          monkeypatch) -> None:
+    """Requests of different lengths finishing at different steps, long prompts prefilled in
+    chunks next to verify steps, prefix caching on, and preemption under a tiny KV cache:
+    with trees being accepted (the oracle drafter), output stays the target's own."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    prompts = [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
+               for i in range(12)]
+    prompts += [prompts[0] + " and more", prompts[1] + " again"]  # shared prefixes
+    max_tokens = [8 + 5 * (i % 5) for i in range(len(prompts))]
+    settings = dict(enforce_eager=True, max_model_len=512, seed=0, dtype="float32",
+                    block_size=32)
+
+    def params(extra: int = 0) -> list:
+        return [SamplingParams(temperature=0.0, max_tokens=m + extra, ignore_eos=True)
+                for m in max_tokens]
+
+    llm = LLM(model=str(tiny_models / "target"), **settings)
+    outputs = llm.generate(prompts, params(16), use_tqdm=False)
+    baseline = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    prompt_ids = {tuple(o.prompt_token_ids): o.prompt for o in outputs}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=2))
+    llm = LLM(model=str(tiny_models / "target"), **(settings | {"max_model_len": 256}),
+              max_num_seqs=6,
+              max_num_batched_tokens=64, num_gpu_blocks_override=10, disable_log_stats=False,
+              speculative_config={"method": "ddtree", "tree_budget": 12,
+                                  "model": str(tiny_models / "drafter")})
+    outputs = llm.generate(prompts, params(), use_tqdm=False)
+    got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    assert got == {p: baseline[p][:m] for p, m in zip(prompts, max_tokens)}
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
+    assert ddtree_state(llm).stats()["longest_accepted"] >= 3

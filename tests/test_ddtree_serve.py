@@ -132,3 +132,20 @@ def test_metrics_show_tree_verification(server: str) -> None:
                 values[name] = values.get(name, 0) + float(line.split()[-1])
     assert values.get("num_drafts", 0) > 0
     assert values["num_draft_tokens"] == 8 * values["num_drafts"]  # tree nodes per step
+
+
+@pytest.mark.slow
+def test_abort_mid_stream_then_keep_serving(server: str) -> None:
+    body = {"model": "tiny", "prompt": "class Tree:", "max_tokens": 24, "temperature": 0}
+    status, before = post(server, "/v1/completions", body)
+    assert status == 200
+    request = urllib.request.Request(
+        server + "/v1/completions", json.dumps(body | {"max_tokens": 200, "stream": True})
+        .encode(), {"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=120)
+    for _ in range(4):  # a few streamed chunks, then the client goes away
+        response.readline()
+    response.close()
+    status, after = post(server, "/v1/completions", body)
+    assert status == 200
+    assert json.loads(after)["choices"][0]["text"] == json.loads(before)["choices"][0]["text"]

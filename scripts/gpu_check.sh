@@ -35,4 +35,12 @@ done
 step "tree attention vs causal (CUDA events, median)"
 "$PY" scripts/bench_tree_attention.py --json "$OUT/bench_tree_attention.json" \
   | tee "$OUT/bench_tree_attention.md"
-echo; echo "gpu_check: all passed; results in $OUT"
+step "ddtree end to end (needs vLLM in this environment)"
+if "$PY" -c 'import vllm' 2>/dev/null; then
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_engine.py 2>&1 \
+    | tee "$OUT/ddtree_engine.log"
+else
+  echo "vLLM is not installed here: the ddtree end-to-end tests did not run" \
+    | tee "$OUT/ddtree_engine.log"
+fi
+echo; echo "gpu_check: done; results in $OUT"

@@ -39,6 +39,8 @@ def test_valid_config_maps_onto_dflash_with_tree_attention(tiny_models: Path) ->
     # The scheduler drafts tree_budget tokens per step; the drafter drafts block_size - 1.
     assert (spec.num_speculative_tokens, spec.tree_depth) == (16, 7)
     assert config.attention_config.backend.name == "TREE_ATTN"
+    assert any("ddtree" in reason for reason in config._get_v2_model_runner_unsupported_features())
+    assert not config.use_v2_model_runner
     shallow = engine_config(tiny_models, {"method": "ddtree", "tree_budget": 3,
                                           "model": str(tiny_models / "drafter")})
     assert shallow.speculative_config.tree_depth == 3  # 3 nodes are at most 3 deep

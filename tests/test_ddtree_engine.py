@@ -125,7 +125,12 @@ def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline,
     got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
     assert got == {p: t[:MAX_TOKENS] for p, t in baseline.items()}
     stats = ddtree_state(llm).stats()
-    print("ddtree stats", spine, stats)
+    # The target attends through TREE_ATTN's CPU backend, chosen by the ddtree config.
+    from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
+
+    model = ddtree_state(llm).runner.model
+    assert {type(m.impl) for m in model.modules() if hasattr(m, "impl")
+            and "drafter" not in type(m.impl).__module__} >= {TreeAttentionCPUImpl}
     assert stats["longest_accepted"] >= 3, stats
     if spine:  # the spine is nodes 1..depth: an accepted node off that line is off-chain
         assert stats["paths_off_the_index_line"] > 0, stats

@@ -132,6 +132,10 @@ def test_metrics_show_tree_verification(server: str) -> None:
                 values[name] = values.get(name, 0) + float(line.split()[-1])
     assert values.get("num_drafts", 0) > 0
     assert values["num_draft_tokens"] == 8 * values["num_drafts"]  # tree nodes per step
+    # Per-depth acceptance: vLLM's per-position counter, one position per tree depth.
+    positions = {line.split('position="')[1].split('"')[0] for line in metrics.splitlines()
+                 if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
+    assert positions and "0" in positions
 
 
 @pytest.mark.slow

@@ -21,18 +21,11 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
 from vllm_ddtree.attention.triton_tree_attention import tree_attention
 
-NAME = "TREE_ATTN"
 
-
-class TreeAttentionBackend(TritonAttentionBackend):
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
-
-    @staticmethod
-    def get_name() -> str:
-        return NAME
-
+class TreeAttentionBackend(TreeAttentionFeatures, TritonAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[TreeAttentionImpl]:
         return TreeAttentionImpl
@@ -41,38 +34,9 @@ class TreeAttentionBackend(TritonAttentionBackend):
     def get_builder_cls() -> type[TreeAttentionMetadataBuilder]:
         return TreeAttentionMetadataBuilder
 
-    # The tree kernel does plain decoder attention only.
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
         return 32 <= head_size <= 256
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sink(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_mm_prefix(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_rswa(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_alibi_sqrt(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == "decoder"
 
 
 @dataclass
@@ -116,11 +80,8 @@ class TreeAttentionImpl(TritonAttentionImpl):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = "decoder", kv_sharing_target_layer_name=None,
                  **kwargs) -> None:
-        for name, value in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
-                            ("logits_soft_cap", logits_soft_cap),
-                            ("sinks", kwargs.get("sinks"))):
-            if value is not None:
-                raise NotImplementedError(f"TREE_ATTN does not support {name}")
+        refuse_unsupported(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                           logits_soft_cap=logits_soft_cap, **kwargs)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, **kwargs)

@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ddtree.attention import tree_batch
-from vllm_ddtree.attention.backend import NAME
+from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
 from vllm_ddtree.attention.sdpa_tree_attention import tree_attention_sdpa
 
 
@@ -56,13 +56,7 @@ def block_layout(isa: str, dtype: torch.dtype, block_size: int,
     return perms[0], perms[1]
 
 
-class TreeAttentionCPUBackend(CPUAttentionBackend):
-    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
-
-    @staticmethod
-    def get_name() -> str:
-        return NAME
-
+class TreeAttentionCPUBackend(TreeAttentionFeatures, CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[TreeAttentionCPUImpl]:
         return TreeAttentionCPUImpl
@@ -70,18 +64,6 @@ class TreeAttentionCPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[TreeAttentionCPUMetadataBuilder]:
         return TreeAttentionCPUMetadataBuilder
-
-    @classmethod
-    def supports_non_causal(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == "decoder"
 
 
 @dataclass
@@ -150,11 +132,8 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = "decoder", kv_sharing_target_layer_name=None,
                  sinks=None, **kwargs) -> None:
-        for name, value in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
-                            ("logits_soft_cap", logits_soft_cap), ("sinks", sinks),
-                            *kwargs.items()):
-            if value not in (None, False, -1):
-                raise NotImplementedError(f"TREE_ATTN does not support {name}")
+        refuse_unsupported(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                           logits_soft_cap=logits_soft_cap, sinks=sinks, **kwargs)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name)

@@ -1,0 +1,54 @@
+"""What TREE_ATTN does and does not do, shared by its CUDA and CPU backends: plain decoder
+self-attention (causal, or tree-masked), with no sliding window, sinks, ALiBi, soft cap or
+multimodal prefix; KV caches in the model's dtype."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+NAME = "TREE_ATTN"
+
+
+class TreeAttentionFeatures:
+    """Mixed into both backend classes, ahead of the vLLM backend they build on."""
+
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == "decoder"
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_rswa(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_alibi_sqrt(cls) -> bool:
+        return False
+
+
+def refuse_unsupported(**features: Any) -> None:
+    """For the impls' constructors: a layer asking for a feature TREE_ATTN lacks fails."""
+    for name, value in features.items():
+        if value not in (None, False, -1):
+            raise NotImplementedError(f"TREE_ATTN does not support {name}")

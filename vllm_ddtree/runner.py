@@ -80,6 +80,7 @@ class DDTreeState:
         # depth line (with the spine: paths off the drafter's greedy chain).
         self._stats = torch.zeros(3, dtype=torch.int64, device=runner.device)
         self.last_verdict: ops.Verdict | None = None
+        self._kv_groups: list | None = None
 
     def store(self, trees: DraftTrees, req_ids: list[str]) -> None:
         self.proposed = trees
@@ -176,7 +177,9 @@ class DDTreeState:
         for h in [hidden_states, *(aux_hidden_states or [])]:
             if isinstance(h, torch.Tensor) and h.dim() == 2:
                 ops.compact_tree([], h, qsl.new_zeros(1), qsl, verdict)
-        for caches, slot_mapping in self._target_kv_caches():
+        if self._kv_groups is None:  # bound once, after the KV caches are allocated
+            self._kv_groups = list(self._target_kv_caches())
+        for caches, slot_mapping in self._kv_groups:
             if caches[0][1].device.type == "cpu":
                 _compact_cpu_attn_caches(caches, slot_mapping, qsl, verdict)
             else:

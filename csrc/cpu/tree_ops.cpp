@@ -34,7 +34,8 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
   auto first_child = at::empty({R, N}, i32), next_sibling = at::empty({R, N}, i32);
   auto mask = at::empty({R, N, W}, i32);
   auto scores = at::empty({R, N}, lp.options());
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+  // A tree takes a few µs: small batches stay on one thread (waking others costs more).
+  at::parallel_for(0, R, 32, [&](int64_t begin, int64_t end) {
     std::vector<Candidate> heap(N);
     std::vector<int32_t> last_child(N);
     for (int64_t r = begin; r < end; ++r) {

@@ -43,4 +43,12 @@ else
   echo "vLLM is not installed here: the ddtree end-to-end tests did not run" \
     | tee "$OUT/ddtree_engine.log"
 fi
+step "ddtree with tensor parallelism 2 (needs two GPUs and vLLM)"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && "$PY" -c 'import vllm' 2>/dev/null; then
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_parallel.py 2>&1 \
+    | tee "$OUT/ddtree_tp2.log"
+else
+  echo "fewer than two GPUs, or no vLLM here: the TP=2 run did not happen" \
+    | tee "$OUT/ddtree_tp2.log"
+fi
 echo; echo "gpu_check: done; results in $OUT"

@@ -8,6 +8,7 @@
 
 #include "../tree.h"
 #include "../tree_checks.h"
+#include "../tree_outputs.h"
 
 namespace vllm_ddtree {
 
@@ -15,10 +16,6 @@ at::Tensor tree_positions_cpu(const at::Tensor& seq_lens, const at::Tensor& dept
   check_tree_positions_args(seq_lens, depths);
   return seq_lens.unsqueeze(1) + depths.to(at::kLong);
 }
-
-using TreeTensors =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-               at::Tensor>;
 
 TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
                            const at::Tensor& topk_ids, int64_t budget, bool spine) {
@@ -28,26 +25,22 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
   const auto lp = topk_logprobs.contiguous();
   const auto ids = topk_ids.contiguous();
   const auto roots = root_tokens.contiguous();
-  const auto i32 = lp.options().dtype(at::kInt);
-  auto token_ids = at::empty({R, N}, ids.options());
-  auto parents = at::empty({R, N}, i32), depths = at::empty({R, N}, i32);
-  auto first_child = at::empty({R, N}, i32), next_sibling = at::empty({R, N}, i32);
-  auto mask = at::empty({R, N, W}, i32);
-  auto scores = at::empty({R, N}, lp.options());
+  TreeOutputs out(R, N, ids, lp);
   // A tree takes a few µs: small batches stay on one thread (waking others costs more).
   at::parallel_for(0, R, 32, [&](int64_t begin, int64_t end) {
     std::vector<Candidate> heap(N);
     std::vector<int32_t> last_child(N);
     for (int64_t r = begin; r < end; ++r) {
-      TreeRows rows{token_ids.data_ptr<int64_t>() + r * N, parents.data_ptr<int32_t>() + r * N,
-                    depths.data_ptr<int32_t>() + r * N,
-                    first_child.data_ptr<int32_t>() + r * N,
-                    next_sibling.data_ptr<int32_t>() + r * N, scores.data_ptr<float>() + r * N,
-                    last_child.data()};
+      TreeRows rows{out.token_ids.data_ptr<int64_t>() + r * N,
+                    out.parents.data_ptr<int32_t>() + r * N,
+                    out.depths.data_ptr<int32_t>() + r * N,
+                    out.first_child.data_ptr<int32_t>() + r * N,
+                    out.next_sibling.data_ptr<int32_t>() + r * N,
+                    out.scores.data_ptr<float>() + r * N, last_child.data()};
       build_one_tree(lp.data_ptr<float>() + r * L * K, ids.data_ptr<int64_t>() + r * L * K,
                      L, K, budget, spine, roots.data_ptr<int64_t>()[r], heap.data(), rows);
       // Parents precede children: a node's mask is its parent's plus its own bit.
-      int32_t* m = mask.data_ptr<int32_t>() + r * N * W;
+      int32_t* m = out.mask.data_ptr<int32_t>() + r * N * W;
       for (int64_t i = 0; i < N; ++i) {
         const int32_t* up = rows.parents[i] >= 0 ? m + rows.parents[i] * W : nullptr;
         for (int64_t w = 0; w < W; ++w) m[i * W + w] = up ? up[w] : 0;
@@ -55,7 +48,7 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
       }
     }
   });
-  return {token_ids, parents, depths, first_child, next_sibling, mask, scores};
+  return out.as_tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(

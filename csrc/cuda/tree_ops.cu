@@ -9,6 +9,7 @@
 
 #include "../tree.h"
 #include "../tree_checks.h"
+#include "../tree_outputs.h"
 
 namespace vllm_ddtree {
 namespace {
@@ -138,32 +139,27 @@ at::Tensor tree_positions_cuda(const at::Tensor& seq_lens, const at::Tensor& dep
   return positions;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
+TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
                 const at::Tensor& topk_ids, int64_t budget, bool spine) {
   check_build_args(root_tokens, topk_logprobs, topk_ids, budget);
   const c10::cuda::CUDAGuard guard(topk_logprobs.device());
   const int64_t R = topk_logprobs.size(0), L = topk_logprobs.size(1), K = topk_logprobs.size(2);
-  const int64_t N = budget + 1, W = (N + 31) / 32;
+  const int64_t N = budget + 1;
   const auto lp = topk_logprobs.contiguous();
   const auto ids = topk_ids.contiguous();
   const auto roots = root_tokens.contiguous();
-  const auto i32 = lp.options().dtype(at::kInt);
-  auto token_ids = at::empty({R, N}, ids.options());
-  auto parents = at::empty({R, N}, i32), depths = at::empty({R, N}, i32);
-  auto first_child = at::empty({R, N}, i32), next_sibling = at::empty({R, N}, i32);
-  auto mask = at::empty({R, N, W}, i32);
-  auto scores = at::empty({R, N}, lp.options());
+  TreeOutputs out(R, N, ids, lp);
   if (R > 0) {
     const size_t smem = N * (sizeof(Candidate) + sizeof(int32_t));
     build_tree_kernel<<<R, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
         roots.data_ptr<int64_t>(), lp.data_ptr<float>(), ids.data_ptr<int64_t>(), L, K,
-        budget, spine, token_ids.data_ptr<int64_t>(), parents.data_ptr<int32_t>(),
-        depths.data_ptr<int32_t>(), first_child.data_ptr<int32_t>(),
-        next_sibling.data_ptr<int32_t>(), mask.data_ptr<int32_t>(), scores.data_ptr<float>());
+        budget, spine, out.token_ids.data_ptr<int64_t>(), out.parents.data_ptr<int32_t>(),
+        out.depths.data_ptr<int32_t>(), out.first_child.data_ptr<int32_t>(),
+        out.next_sibling.data_ptr<int32_t>(), out.mask.data_ptr<int32_t>(),
+        out.scores.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return {token_ids, parents, depths, first_child, next_sibling, mask, scores};
+  return out.as_tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(

@@ -205,15 +205,11 @@ def _compact_cpu_attn_caches(layers: list, slot_mapping: torch.Tensor, qsl: torc
     """compact_tree for CPU_ATTN's caches, whose keys are packed per ISA inside a block."""
     from vllm_ddtree.attention.cpu_backend import block_layout
 
-    num = verdict.num_accepted.tolist()
-    src, dst = [], []
-    for r, count in enumerate(num):
-        for j in range(count):
-            node = int(verdict.accepted[r, j])
-            if node != j + 1:
-                src.append(int(qsl[r]) + node)
-                dst.append(int(qsl[r]) + j + 1)
-    if not src:
+    step = torch.arange(verdict.accepted.shape[1], device=qsl.device)
+    moves = (step < verdict.num_accepted[:, None]) & (verdict.accepted != step + 1)
+    src = (qsl[:-1, None] + verdict.accepted)[moves]
+    dst = (qsl[:-1, None] + step + 1).expand_as(moves)[moves]
+    if src.numel() == 0:
         return
     src_slots, dst_slots = slot_mapping[src].long(), slot_mapping[dst].long()
     for layer, cache in layers:

@@ -75,6 +75,8 @@ class DDTreeState:
         self.proposed_rows: dict[str, int] = {}
         self.step: dict[str, torch.Tensor] | None = None
         self.node = torch.arange(self.num_nodes, device=runner.device)
+        # A request drafted without a stored tree (a placeholder) is verified as a chain.
+        self.chain_child = torch.where(self.node + 1 < self.num_nodes, self.node + 1, -1)
         # Counters kept on the device (read them with stats(), which syncs): verify steps
         # of tree requests, the longest accepted path, and paths that left the node-index ==
         # depth line (with the spine: paths off the drafter's greedy chain).
@@ -101,8 +103,7 @@ class DDTreeState:
         src = torch.tensor(src, device=dev)
         has_tree = src >= 0
         n = torch.tensor(drafts, device=dev)
-        chain_depth = self.node.expand(R, N)
-        chain_child = torch.where(self.node + 1 < N, self.node + 1, -1).expand(R, N)
+        chain_depth, chain_child = self.node.expand(R, N), self.chain_child.expand(R, N)
         if self.proposed is not None:
             got = [t[src.clamp(min=0)] for t in (self.proposed.depths,
                                                  self.proposed.first_child,
@@ -133,7 +134,7 @@ class DDTreeState:
         runner.positions[:num_tokens] += delta
         self.step = dict(token_ids=token_ids, first_child=first_child.to(torch.int32),
                          next_sibling=next_sibling.to(torch.int32), valid=valid, qsl=qsl,
-                         delta=delta, num_tokens=num_tokens)
+                         delta=delta, num_tokens=num_tokens, num_drafts=n)
 
     def verify(self, logits: torch.Tensor, spec_decode_metadata: Any, hidden_states: Any,
                aux_hidden_states: Any) -> SamplerOutput:
@@ -144,8 +145,7 @@ class DDTreeState:
         cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device)
         per_row = node_choices(logits, [1 + n for n in drafts],
                                runner.input_batch.sampling_metadata)
-        n = torch.tensor(drafts, device=logits.device)
-        rows = (cu_sampled - (1 + n))[:, None] + self.node
+        rows = (cu_sampled - (1 + step["num_drafts"]))[:, None] + self.node
         choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
             step["token_ids"], step["first_child"], step["next_sibling"], choice,

@@ -51,10 +51,6 @@ class DraftTrees(NamedTuple):
     ancestor_mask: torch.Tensor
     scores: torch.Tensor
 
-    @property
-    def budget(self) -> int:
-        return self.token_ids.shape[1] - 1
-
 
 class Verdict(NamedTuple):
     """What verification of a batch of trees decided."""

@@ -18,7 +18,6 @@ from vllm_ddtree.tree import mask_words
 
 class TreeBatch:
     def __init__(self, max_num_reqs: int, budget: int, device: torch.device | str) -> None:
-        self.budget = budget
         self.tree_index = torch.full((max_num_reqs,), -1, dtype=torch.int32, device=device)
         self.ancestor_mask = torch.zeros(max_num_reqs, budget + 1, mask_words(budget + 1),
                                          dtype=torch.int32, device=device)

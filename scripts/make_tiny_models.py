@@ -42,7 +42,7 @@ def corpus_files() -> list[Path]:
     return [stdlib / f"{m}.py" for m in CORPUS_MODULES]
 
 
-def train_tokenizer(out: Path, vocab_size: int) -> int:
+def train_tokenizer(out: Path, vocab_size: int, files: list[Path] | None = None) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +52,7 @@ def train_tokenizer(out: Path, vocab_size: int) -> int:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train([str(p) for p in corpus_files()], trainer)
+    tok.train([str(p) for p in files or corpus_files()], trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         bos_token=None, unk_token=None, additional_special_tokens=["<|im_start|>", "<|mask|>"])

@@ -42,6 +42,15 @@ class DDTreeProposer(DFlashProposer):
         self.ddtree_state = DDTreeState(runner, self.budget)
         self._roots: torch.Tensor | None = None
 
+    def _create_draft_vllm_config(self) -> Any:
+        config = super()._create_draft_vllm_config()
+        # This copy went through VllmConfig's ddtree check, which forces TREE_ATTN for the
+        # target. The drafter attends without trees (and non-causally), so it takes the
+        # backend vLLM picks for it, as for method dflash; TREE_ATTN would hand it the
+        # target's trees. (tests/test_train_tiny_pair.py caught exactly that.)
+        config.attention_config.backend = self.speculative_config.attention_backend
+        return config
+
     def propose(self, num_speculative_tokens: int, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, *args, **kwargs) -> torch.Tensor:
         self._roots = next_token_ids

@@ -43,6 +43,26 @@ else
   echo "vLLM is not installed here: the ddtree end-to-end tests did not run" \
     | tee "$OUT/ddtree_engine.log"
 fi
+step "acceptance and throughput: none vs dflash vs ddtree, CUDA graphs (needs vLLM)"
+# Real checkpoints when TARGET_MODEL and DRAFTER_MODEL (and PROMPTS, a JSON list) are given,
+# else the trained tiny pair if it is here (PAIR; default the training script's output; to
+# carry it to a lent GPU, copy it to .tiny-pair/, which git ignores, and set PAIR=.tiny-pair).
+PAIR=${PAIR:-$HOME/.cache/vllm-ddtree/tiny-pair}
+if ! "$PY" -c 'import vllm' 2>/dev/null; then
+  echo "vLLM is not installed here: the acceptance benchmark did not run" \
+    | tee "$OUT/bench_acceptance.md"
+elif [ -n "${TARGET_MODEL:-}" ] && [ -n "${DRAFTER_MODEL:-}" ]; then
+  "$PY" scripts/bench_acceptance.py --target "$TARGET_MODEL" --drafter "$DRAFTER_MODEL" \
+    ${PROMPTS:+--prompts "$PROMPTS"} --dtype bfloat16 --cuda-graphs --concurrency 1 8 32 \
+    --budgets 16 64 256 --repeats 3 --out "$OUT/bench_acceptance" 2>&1 \
+    | tee "$OUT/bench_acceptance.md"
+elif [ -f "$PAIR/heldout_prompts.json" ]; then
+  "$PY" scripts/bench_acceptance.py --pair "$PAIR" --cuda-graphs --concurrency 1 8 32 \
+    --repeats 3 --out "$OUT/bench_acceptance" 2>&1 | tee "$OUT/bench_acceptance.md"
+else
+  echo "no checkpoints given and no tiny pair at $PAIR: the acceptance benchmark did not run" \
+    | tee "$OUT/bench_acceptance.md"
+fi
 step "ddtree with tensor parallelism 2 (needs two GPUs and vLLM)"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && "$PY" -c 'import vllm' 2>/dev/null; then
   "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_parallel.py 2>&1 \

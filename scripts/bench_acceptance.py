@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Acceptance benchmark: no speculation vs the DFlash chain vs DDTree, in one run, on the
+same held-out prompts (the trained tiny pair by default: scripts/train_tiny_pair.py).
+
+For each mode and concurrency: mean acceptance length (tokens committed per verify step),
+per-depth acceptance (share of verify steps accepting at least d draft tokens), target
+forwards per generated token, tokens/s (median over --repeats passes) and a step-time
+breakdown (draft, tree build, verify forward, walk + compaction). Greedy outputs must be
+identical across modes (exit status 1 otherwise). Writes OUT/acceptance.md, .json and two
+PNG plots (acceptance length vs budget; histogram of accepted lengths).
+
+  scripts/bench_acceptance.py                          # CPU, the trained tiny pair
+  scripts/bench_acceptance.py --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16 \
+      --prompts prompts.json --cuda-graphs --concurrency 1 8 32 --dtype bfloat16
+
+The breakdown wraps the runner's calls with timers (synchronizing on CUDA), so it is taken
+on an extra pass, apart from the passes that give tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # timers reach the runner
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on the CPU platform only
+
+
+def modes(drafter: str, budgets: list[int], depth: int) -> list[tuple[str, dict | None]]:
+    out: list[tuple[str, dict | None]] = [("none", None), (
+        "dflash", {"method": "dflash", "model": drafter, "num_speculative_tokens": depth})]
+    for spine in (True, False):
+        for b in budgets:
+            out.append((f"ddtree B={b}{' spine' if spine else ''}", {
+                "method": "ddtree", "model": drafter, "tree_budget": b, "tree_spine": spine}))
+    return out
+
+
+class StepTimers:
+    """Wall time per named runner call, summed; on CUDA each call is synchronized."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.enabled = cuda, False
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.undo: list = []
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        if owner is None or not hasattr(owner, attr):
+            return
+        inner = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return inner(*args, **kwargs)
+            self._sync()
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._sync()
+                self.total[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        setattr(owner, attr, timed)
+        self.undo.append((owner, attr, inner))
+
+    def _sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def remove(self) -> None:
+        for owner, attr, inner in reversed(self.undo):
+            setattr(owner, attr, inner)
+
+
+def install_timers(llm, timers: StepTimers) -> None:
+    import vllm_ddtree.ops
+
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    timers.wrap(runner.model, "forward", "verify forward")  # the target's forward
+    drafter = getattr(runner, "drafter", None)
+    timers.wrap(drafter, "propose", "draft (incl. tree build)")
+    timers.wrap(vllm_ddtree.ops, "build_tree_from_logits", "tree build")
+    timers.wrap(getattr(drafter, "ddtree_state", None), "verify", "walk + compaction")
+    timers.wrap(getattr(runner, "rejection_sampler", None), "forward", "chain rejection")
+
+
+def counters(llm) -> dict:
+    out: dict = {}
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("vllm:")
+        if hasattr(m, "values"):
+            out[name] = list(m.values)
+        elif hasattr(m, "value"):
+            out[name] = m.value
+    return out
+
+
+def run_mode(args, name: str, spec: dict | None, prompts: list, concurrency: int) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    device = {"gpu_memory_utilization": args.gpu_memory_utilization} \
+        if torch.cuda.is_available() else {}
+    llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype, seed=0,
+              max_model_len=args.max_model_len, max_num_seqs=concurrency,
+              enforce_eager=not args.cuda_graphs, disable_log_stats=False, **device)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
+
+    before = counters(llm)
+    rates, outputs = [], None
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        res = llm.generate(requests, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        rates.append(sum(len(r.outputs[0].token_ids) for r in res) / dt)
+        outputs = [list(r.outputs[0].token_ids) for r in res]
+    after = counters(llm)
+
+    timers = StepTimers(cuda=torch.cuda.is_available())
+    install_timers(llm, timers)
+    timers.enabled = True
+    t0 = time.perf_counter()
+    llm.generate(requests, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    timers.remove()
+    del llm
+    gc.collect()
+
+    tokens = sum(len(o) for o in outputs) * args.repeats
+    d = {k: _minus(after.get(k, 0), before.get(k, 0)) for k in after}
+    drafts = d.get("spec_decode_num_drafts", 0)
+    per_pos = d.get("spec_decode_num_accepted_tokens_per_pos", [])
+    accepted = d.get("spec_decode_num_accepted_tokens", 0)
+    forwards = timers.calls["verify forward"]  # target forwards in the breakdown pass
+    hist = [drafts - (per_pos[0] if per_pos else 0)] + [
+        per_pos[i] - (per_pos[i + 1] if i + 1 < len(per_pos) else 0) for i in range(len(per_pos))]
+    return {
+        "mode": name, "concurrency": concurrency, "spec": spec,
+        "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "per_depth_acceptance": [p / drafts for p in per_pos] if drafts else [],
+        "accepted_length_histogram": _trim(hist) if drafts else [],
+        "verify_steps": drafts, "generated_tokens": tokens,
+        "target_forwards_per_token": forwards * args.repeats / tokens,
+        "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
+        "breakdown_ms_per_forward": {k: 1e3 * v / max(1, forwards)
+                                     for k, v in timers.total.items()},
+        "breakdown_pass_wall_s": wall, "outputs": outputs,
+    }
+
+
+def _minus(a, b):
+    if isinstance(a, list):
+        b = b if isinstance(b, list) else []
+        return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+    return a - b
+
+
+def _trim(hist: list) -> list:
+    while len(hist) > 1 and hist[-1] == 0:
+        hist.pop()
+    return hist
+
+
+def markdown(results: list[dict], identical: bool, chain: dict[int, float]) -> str:
+    cols = ["verify forward", "draft (incl. tree build)", "tree build", "walk + compaction",
+            "chain rejection"]
+    lines = ["| mode | conc. | accept. length | x chain | fwd/token | tok/s | "
+             + " | ".join(f"{c} ms" for c in cols) + " |",
+             "|" + "---|" * (6 + len(cols))]
+    for r in results:
+        ratio = r["acceptance_length"] / chain[r["concurrency"]] if r["verify_steps"] else None
+        b = r["breakdown_ms_per_forward"]
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {r['acceptance_length']:.2f} | "
+            + (f"{ratio:.2f}x" if ratio else "-")
+            + f" | {r['target_forwards_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
+            + " | ".join(f"{b[c]:.2f}" if c in b else "-" for c in cols) + " |")
+    lines += ["", "Per-depth acceptance (share of verify steps accepting >= d drafts):", "",
+              "| mode | conc. | " + " | ".join(f"d={d}" for d in range(1, 9)) + " |",
+              "|" + "---|" * 10]
+    for r in results:
+        if r["per_depth_acceptance"]:
+            cells = [f"{x:.2f}" for x in r["per_depth_acceptance"][:8]]
+            cells += [""] * (8 - len(cells))
+            lines.append(f"| {r['mode']} | {r['concurrency']} | " + " | ".join(cells) + " |")
+    lines += ["", f"Greedy outputs identical across modes: {'yes' if identical else 'NO'}"]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: list[dict], budgets: list[int], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for conc in sorted({r["concurrency"] for r in results}):
+        rs = {r["mode"]: r for r in results if r["concurrency"] == conc}
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for spine in (" spine", ""):
+            xs = [b for b in budgets if f"ddtree B={b}{spine}" in rs]
+            ys = [rs[f"ddtree B={b}{spine}"]["acceptance_length"] for b in xs]
+            ax.plot(xs, ys, marker="o", label=f"ddtree{spine or ' (no spine)'}")
+        if "dflash" in rs:
+            ax.axhline(rs["dflash"]["acceptance_length"], color="gray", ls="--",
+                       label="dflash chain")
+        ax.set(xscale="log", xlabel="tree budget B (nodes)", ylabel="mean acceptance length",
+               title=f"Acceptance length vs budget (concurrency {conc})")
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"acceptance_vs_budget_c{conc}.png", dpi=120)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        shown = [m for m in ["dflash"] + [f"ddtree B={b} spine" for b in budgets] if m in rs]
+        width = 0.8 / len(shown)
+        for i, mode in enumerate(shown):
+            h = rs[mode]["accepted_length_histogram"]
+            total = sum(h) or 1
+            ax.bar([k + i * width for k in range(len(h))], [x / total for x in h], width,
+                   label=mode)
+        ax.set(xlabel="draft tokens accepted in a verify step", ylabel="share of steps",
+               title=f"Accepted lengths (concurrency {conc})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"accepted_length_histogram_c{conc}.png", dpi=120)
+        plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from train_tiny_pair import DEFAULT_OUT
+
+    parser.add_argument("--pair", type=Path, default=DEFAULT_OUT,
+                        help="a train_tiny_pair.py output (target/, drafter/, prompts)")
+    parser.add_argument("--target", help="target model (default: PAIR/target)")
+    parser.add_argument("--drafter", help="DFlash drafter (default: PAIR/drafter)")
+    parser.add_argument("--prompts", type=Path,
+                        help="JSON list of prompts (token id lists or strings); "
+                             "default PAIR/heldout_prompts.json")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cuda-graphs", action="store_true", help="default: eager")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--modes", nargs="*", help="run only these modes (names as printed)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = parser.parse_args()
+    args.target = args.target or str(args.pair / "target")
+    args.drafter = args.drafter or str(args.pair / "drafter")
+    prompts = json.loads((args.prompts or args.pair / "heldout_prompts.json").read_text())
+    if prompts and isinstance(prompts[0], str):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.target)
+        prompts = [tok(p)["input_ids"] for p in prompts]
+    prompts = prompts[:args.num_prompts]
+    block = json.loads((Path(args.drafter) / "config.json").read_text())["block_size"] \
+        if Path(args.drafter, "config.json").exists() else 16
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    results = []
+    for conc in args.concurrency:
+        for name, spec in modes(args.drafter, args.budgets, block - 1):
+            if args.modes and name not in args.modes:
+                continue
+            print(f"--- {name}, concurrency {conc}", file=sys.stderr, flush=True)
+            results.append(run_mode(args, name, spec, prompts, conc))
+            r = results[-1]
+            print(f"    acceptance length {r['acceptance_length']:.2f}, "
+                  f"{r['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+
+    reference = {c: next((r["outputs"] for r in results if r["concurrency"] == c
+                          and r["mode"] == "none"), None) for c in args.concurrency}
+    identical = all(reference[r["concurrency"]] in (None, r["outputs"]) for r in results)
+    chain = {r["concurrency"]: r["acceptance_length"] for r in results if r["mode"] == "dflash"}
+    for c in args.concurrency:
+        chain.setdefault(c, 1.0)
+    table = markdown(results, identical, chain)
+    print(table)
+    (args.out / "acceptance.md").write_text(table)
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    (args.out / "acceptance.json").write_text(json.dumps(
+        {"args": meta, "identical_greedy_outputs": identical,
+         "results": [{k: v for k, v in r.items() if k != "outputs"} for r in results]},
+        indent=2))
+    plots(results, args.budgets, args.out)
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""scripts/bench_acceptance.py runs every mode side by side and writes its table, JSON and
+plots (on the random tiny pair, briefly: this checks the benchmark, not the numbers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):\n    return", "The name of the file is"]))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_acceptance.py"),
+         "--target", str(tiny_models / "target"), "--drafter", str(tiny_models / "drafter"),
+         "--prompts", str(prompts), "--max-tokens", "6", "--budgets", "4", "8",
+         "--repeats", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    data = json.loads((out / "acceptance.json").read_text())
+    assert data["identical_greedy_outputs"] is True
+    results = {r["mode"]: r for r in data["results"]}
+    assert list(results) == ["none", "dflash", "ddtree B=4 spine", "ddtree B=8 spine",
+                             "ddtree B=4", "ddtree B=8"]
+    none = results.pop("none")
+    assert none["verify_steps"] == 0 and none["acceptance_length"] == 1.0
+    assert none["target_forwards_per_token"] == 1.0  # one forward per token, prefill included
+    for mode, r in results.items():
+        assert r["verify_steps"] > 0, mode
+        assert sum(r["accepted_length_histogram"]) == r["verify_steps"], mode
+        depth = r["per_depth_acceptance"]
+        assert all(a >= b for a, b in zip(depth, depth[1:])), mode
+        assert r["acceptance_length"] == pytest.approx(1 + sum(depth))
+        assert r["tokens_per_s"] > 0 and len(r["tokens_per_s_runs"]) == 2
+        assert "verify forward" in r["breakdown_ms_per_forward"]
+        if mode.startswith("ddtree"):
+            assert {"tree build", "walk + compaction"} <= set(r["breakdown_ms_per_forward"])
+    table = (out / "acceptance.md").read_text()
+    assert "| ddtree B=8 | 1 |" in table and "identical across modes: yes" in table
+    for png in ("acceptance_vs_budget_c1.png", "accepted_length_histogram_c1.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

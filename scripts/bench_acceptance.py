@@ -231,7 +231,8 @@ def plots(results: list[dict], budgets: list[int], out: Path) -> None:
         for i, mode in enumerate(shown):
             h = rs[mode]["accepted_length_histogram"]
             total = sum(h) or 1
-            ax.bar([k + i * width for k in range(len(h))], [x / total for x in h], width,
+            offset = (i - (len(shown) - 1) / 2) * width  # the group centred on its tick
+            ax.bar([k + offset for k in range(len(h))], [x / total for x in h], width,
                    label=mode)
         ax.set(xlabel="draft tokens accepted in a verify step", ylabel="share of steps",
                title=f"Accepted lengths (concurrency {conc})")

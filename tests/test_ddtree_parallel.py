@@ -54,6 +54,7 @@ if spec:
 def run(tiny_models: Path, tp: int, method: str, temperature: float = 0.0) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # TP workers are processes
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends the test's functions
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (upstream-facts §6)
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_models), str(tp), method,

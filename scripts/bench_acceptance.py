@@ -88,7 +88,9 @@ def install_timers(llm, timers: StepTimers) -> None:
 
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
-    timers.wrap(runner.model, "forward", "verify forward")  # the target's forward
+    # The target's forward, once per step (the runner's call site, so that a CUDA-graph
+    # replay is timed too).
+    timers.wrap(runner, "_model_forward", "verify forward")
     drafter = getattr(runner, "drafter", None)
     timers.wrap(drafter, "propose", "draft (incl. tree build)")
     timers.wrap(vllm_ddtree.ops, "build_tree_from_logits", "tree build")

@@ -358,7 +358,14 @@ def run(out: Path, r: Recipe) -> None:
     torch.manual_seed(r.seed)
     work = out / "train"
     work.mkdir(parents=True, exist_ok=True)
-    (work / "recipe.json").write_text(json.dumps(asdict(r), indent=2))
+    recipe = json.loads(json.dumps(asdict(r)))  # as stored: tuples become lists
+    if (work / "recipe.json").exists():  # resuming: the checkpoints belong to that recipe
+        stored = json.loads((work / "recipe.json").read_text())
+        changed = sorted(k for k in recipe if stored.get(k) != recipe[k])
+        if changed:
+            raise ValueError(f"{out} holds a run with other settings ({', '.join(changed)}); "
+                             f"resume it with the same settings, or choose another --out")
+    (work / "recipe.json").write_text(json.dumps(recipe, indent=2))
     t0 = time.monotonic()
 
     train_files, held_files = corpus_split()
@@ -437,7 +444,6 @@ def main() -> None:
     parser.add_argument("--target-steps", type=int, default=Recipe.target_steps)
     parser.add_argument("--drafter-steps", type=int, default=Recipe.drafter_steps)
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     run(args.out, Recipe(seed=args.seed, target_steps=args.target_steps,
                          drafter_steps=args.drafter_steps))
 

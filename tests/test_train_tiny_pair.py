@@ -128,6 +128,10 @@ def test_short_training_resumes_exactly(tmp_path: Path,
     ttp.run(tmp_path, recipe)  # ...and a rerun continues from there, then trains the drafter
     assert torch.load(tmp_path / "train" / "drafter.pt", weights_only=True)["step"] == 4
 
+    # Resuming with other settings is refused, naming them.
+    with pytest.raises(ValueError, match="drafter_steps"):
+        ttp.run(tmp_path, replace(recipe, drafter_steps=5))
+
     # Resuming is exact: the same weights as one uninterrupted run.
     straight = tmp_path / "straight"
     ttp.run(straight, recipe)

@@ -107,3 +107,19 @@ def test_dotted_cli_keys_work_like_json(tiny_models: Path) -> None:
     for args in (dotted, as_json):
         with pytest.raises(ValueError, match="speculative_config.tree_budget must be"):
             EngineArgs.from_cli_args(args).create_engine_config()
+
+
+def test_drafter_keeps_its_own_attention_backend(tiny_models: Path) -> None:
+    """Only the target attends over trees: the drafter takes speculative_config's
+    attention_backend (or vLLM's default), as for method dflash, and never TREE_ATTN."""
+    from vllm import LLM
+
+    llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=256,
+              dtype="float32", speculative_config={
+                  "method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 8,
+                  "attention_backend": "CPU_ATTN"})
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    impl = {name: type(model.model.layers[0].self_attn.attn.impl).__name__
+            for name, model in (("target", runner.model), ("drafter", runner.drafter.model))}
+    assert impl == {"target": "TreeAttentionCPUImpl", "drafter": "CPUAttentionBackendImpl"}

@@ -12,6 +12,9 @@ names the field at fault. The patches call in at three points (patches/0001, 000
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 from vllm_ddtree.tree import MAX_BUDGET
@@ -78,10 +81,28 @@ def verify_drafter(spec: Any) -> None:
                          f"tree; use an attention-only target")
 
 
+# Set while the proposer derives the drafter's VllmConfig from the target's (a copy that
+# runs __post_init__ again): the drafter attends without trees, so the checks and the
+# TREE_ATTN setting below are the target's only, and vLLM picks the drafter's backend
+# (speculative_config.attention_backend, or its default) as for method dflash.
+_drafter_copy = contextvars.ContextVar("vllm_ddtree_drafter_copy", default=False)
+
+
+@contextlib.contextmanager
+def deriving_drafter_config() -> Iterator[None]:
+    token = _drafter_copy.set(True)
+    try:
+        yield
+    finally:
+        _drafter_copy.reset(token)
+
+
 def verify_vllm_config(vllm_config: Any) -> None:
     """In VllmConfig.__post_init__: checks that need the scheduler and attention settings."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    if _drafter_copy.get():
+        return
     spec = vllm_config.speculative_config
     tree_attn = AttentionBackendEnum["TREE_ATTN"]
     backend = vllm_config.attention_config.backend

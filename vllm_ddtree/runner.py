@@ -27,6 +27,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.config import deriving_drafter_config
 from vllm_ddtree.sampling import node_choices
 from vllm_ddtree.tree import DraftTrees
 
@@ -43,13 +44,9 @@ class DDTreeProposer(DFlashProposer):
         self._roots: torch.Tensor | None = None
 
     def _create_draft_vllm_config(self) -> Any:
-        config = super()._create_draft_vllm_config()
-        # This copy went through VllmConfig's ddtree check, which forces TREE_ATTN for the
-        # target. The drafter attends without trees (and non-causally), so it takes the
-        # backend vLLM picks for it, as for method dflash; TREE_ATTN would hand it the
-        # target's trees. (tests/test_train_tiny_pair.py caught exactly that.)
-        config.attention_config.backend = self.speculative_config.attention_backend
-        return config
+        # Without this the copy would inherit TREE_ATTN, and the target's trees with it.
+        with deriving_drafter_config():
+            return super()._create_draft_vllm_config()
 
     def propose(self, num_speculative_tokens: int, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, *args, **kwargs) -> torch.Tensor:

@@ -89,6 +89,9 @@ class DDTreeState:
         self._stats = torch.zeros(3, dtype=torch.int64, device=runner.device)
         self.last_verdict: ops.Verdict | None = None
         self._kv_groups: list | None = None
+        # Each row's stored tree (-1: none) goes to the device through vLLM's pinned buffer:
+        # a tensor made from a list on a CUDA device would synchronize the stream.
+        self._tree_of_row = runner._make_buffer(runner.max_num_reqs, dtype=torch.int64)
 
     def store(self, trees: DraftTrees, req_ids: list[str]) -> None:
         self.proposed = trees
@@ -104,11 +107,13 @@ class DDTreeState:
         runner, N, dev = self.runner, self.num_nodes, self.runner.device
         drafts = spec_decode_metadata.num_draft_tokens
         R = len(drafts)
-        src = [self.proposed_rows.get(rid, -1) if n > 0 else -1
-               for rid, n in zip(runner.input_batch.req_ids[:R], drafts)]
-        src = torch.tensor(src, device=dev)
+        tree_of_row = self._tree_of_row.np
+        for i, (rid, n) in enumerate(zip(runner.input_batch.req_ids[:R], drafts)):
+            tree_of_row[i] = self.proposed_rows.get(rid, -1) if n > 0 else -1
+        src = self._tree_of_row.copy_to_gpu(R)
         has_tree = src >= 0
-        n = torch.tensor(drafts, device=dev)
+        cu_drafts = spec_decode_metadata.cu_num_draft_tokens
+        n = torch.diff(cu_drafts, prepend=cu_drafts.new_zeros(1)).long()
         chain_depth, chain_child = self.node.expand(R, N), self.chain_child.expand(R, N)
         if self.proposed is not None:
             got = [t[src.clamp(min=0)] for t in (self.proposed.depths,
@@ -149,7 +154,7 @@ class DDTreeState:
         runner.input_batch.update_async_output_token_ids()
         drafts = spec_decode_metadata.num_draft_tokens
         cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device)
-        per_row = node_choices(logits, [1 + n for n in drafts],
+        per_row = node_choices(logits, [1 + n for n in drafts], cu_sampled,
                                runner.input_batch.sampling_metadata)
         rows = (cu_sampled - (1 + step["num_drafts"]))[:, None] + self.node
         choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)

@@ -38,18 +38,19 @@ def validate_request(params: Any) -> None:
                 value=value)
 
 
-def node_choices(logits: torch.Tensor, num_sampled: list[int], sampling_metadata: Any
-                 ) -> torch.Tensor:
+def node_choices(logits: torch.Tensor, num_sampled: list[int], cu_num_sampled: torch.Tensor,
+                 sampling_metadata: Any) -> torch.Tensor:
     """The target's token at every logits row (one row per tree node): argmax for greedy
-    requests, an independent sample from the processed distribution otherwise."""
+    requests, an independent sample from the processed distribution otherwise. Request r
+    owns ``num_sampled[r]`` rows; ``cu_num_sampled`` is their cumulative sum on the device."""
     greedy = logits.argmax(dim=-1)
     if sampling_metadata.all_greedy:
         return greedy
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    request = torch.repeat_interleave(
-        torch.arange(len(num_sampled), device=logits.device),
-        torch.tensor(num_sampled, device=logits.device))
+    # Each row's request, computed on the device (no host data, so no sync).
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    request = torch.searchsorted(cu_num_sampled.to(rows.dtype), rows, right=True)
     sm = sampling_metadata
     temperature = sm.temperature[request]
     processed = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]

@@ -29,14 +29,18 @@ def _extensions() -> tuple[list, dict]:
         use_cuda = torch.version.cuda is not None and CUDA_HOME is not None
     sources = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.cpp"))
     sources += sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc/cpu").glob("*.cpp"))
-    flags = {"cxx": ["-O3", "-std=c++20"]}
+    # OpenMP, so that at::parallel_for splits a batch's trees across torch's threads.
+    flags = {"cxx": ["-O3", "-std=c++20", "-fopenmp"]}
+    link = ["-fopenmp"]
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0;10.0+PTX")
         sources += sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc/cuda").glob("*.cu"))
         flags["nvcc"] = ["-O3", "-std=c++20"]
-        ext = CUDAExtension("vllm_ddtree._C", sources, extra_compile_args=flags)
+        ext = CUDAExtension("vllm_ddtree._C", sources, extra_compile_args=flags,
+                            extra_link_args=link)
     else:
-        ext = CppExtension("vllm_ddtree._C", sources, extra_compile_args=flags)
+        ext = CppExtension("vllm_ddtree._C", sources, extra_compile_args=flags,
+                           extra_link_args=link)
     return [ext], {"build_ext": BuildExtension}
 
 

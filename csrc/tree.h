@@ -13,22 +13,20 @@
 
 namespace vllm_ddtree {
 
-// A candidate node: the `rank`-th token at drafter position `pos` under node `parent`.
-// Its priority is packed into one 64-bit key so the heap compares once per step: the score's
+// A candidate node: the `rank`-th token under node `parent` (at drafter position
+// depths[parent]). It is one 64-bit key, so the heap compares and moves 8 bytes: the score's
 // bits mapped to an unsigned order (high 32 bits), then parent and rank inverted (11 bits
 // each; both are < 2048 because budget <= 1024) so that the larger key wins the tie rule:
 // score descending, then parent index ascending, then rank ascending.
 struct Candidate {
   uint64_t key;
-  int32_t pos;
 
-  DDTREE_HD static Candidate make(float score, int32_t parent, int32_t rank, int32_t pos) {
+  DDTREE_HD static Candidate make(float score, int32_t parent, int32_t rank) {
     uint32_t bits;
     memcpy(&bits, &score, sizeof(bits));
     bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
     return {(static_cast<uint64_t>(bits) << 22) | (static_cast<uint64_t>(2047 - parent) << 11) |
-                static_cast<uint64_t>(2047 - rank),
-            pos};
+                static_cast<uint64_t>(2047 - rank)};
   }
   DDTREE_HD float score() const {
     uint32_t bits = static_cast<uint32_t>(key >> 22);
@@ -128,7 +126,7 @@ DDTREE_HD inline void build_one_tree(const float* logprobs, const int64_t* ids, 
   auto push_sibling = [&](int32_t parent, int32_t rank, int32_t pos) {
     if (rank + 1 < K) {
       heap.push(Candidate::make(t.scores[parent] + logprobs[pos * K + rank + 1], parent,
-                                rank + 1, pos));
+                                rank + 1));
     }
   };
 
@@ -139,15 +137,15 @@ DDTREE_HD inline void build_one_tree(const float* logprobs, const int64_t* ids, 
       parent = add(t.scores[parent] + logprobs[pos * K], parent, 0, pos);
     }
   } else {
-    heap.push(Candidate::make(logprobs[0], 0, 0, 0));
+    heap.push(Candidate::make(logprobs[0], 0, 0));
   }
   while (n <= budget && heap.size > 0) {
     const Candidate c = heap.data[0];
     const float score = c.score();
-    const int32_t parent = c.parent(), rank = c.rank(), pos = c.pos;
+    const int32_t parent = c.parent(), rank = c.rank(), pos = t.depths[parent];
     const int32_t i = add(score, parent, rank, pos);
     if (pos + 1 < L) {  // the first child takes the popped top's place
-      heap.replace_top(Candidate::make(score + logprobs[(pos + 1) * K], i, 0, pos + 1));
+      heap.replace_top(Candidate::make(score + logprobs[(pos + 1) * K], i, 0));
     } else {
       heap.pop();
     }

@@ -42,6 +42,17 @@ def median_us(fn: Callable[[], object], repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
+def one_thread(fn: Callable[[], float]) -> float:
+    """``fn()`` with torch's intra-op threads (which the CPU build op splits trees across)
+    limited to one, as the Python heap has."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def python_heap_build(roots, logprobs, ids, budget):
     """Host-side best-first build of the kind vLLM PR #42910 uses: top-k copied to the host,
     one heapq per request whose entries carry (-logw, rank path, parent, depth, rank, logw),
@@ -102,6 +113,8 @@ def bench_budget(budget: int, R: int, dev: str, repeats: int, gen: torch.Generat
             lambda: ops.build_tree_from_logits(roots, logits, budget), repeats, dev),
         "build_from_topk": median_us(
             lambda: ops.build_tree(roots, logprobs, ids, budget), repeats, dev),
+        "build_from_topk_1_thread": one_thread(lambda: median_us(
+            lambda: ops.build_tree(roots, logprobs, ids, budget), repeats, dev)),
         "python_heap_build": median_us(
             lambda: python_heap_build(roots, logprobs, ids, budget), max(5, repeats // 5), dev),
         "verify": median_us(lambda: ops.verify_tree(trees, choices, DEPTH), repeats, dev),
@@ -130,12 +143,13 @@ def main() -> None:
     cols = list(rows[0])
     print(f"\nmedian µs per request ({R} requests, depth {DEPTH}, vocab {VOCAB}, {dev}, "
           f"{torch.get_num_threads()} threads)\n")
-    print("| " + " | ".join(cols) + " | heap speed-up (python / topk) |")
-    print("|" + "---|" * (len(cols) + 1))
+    print("| " + " | ".join(cols) + " | heap speed-up (python / topk) | on 1 thread |")
+    print("|" + "---|" * (len(cols) + 2))
     for r in rows:
         cells = [str(r["budget"])] + [f"{r[c]:.2f}" for c in cols[1:]]
         speedup = r["python_heap_build"] / r["build_from_topk"]
-        print("| " + " | ".join(cells) + f" | {speedup:.0f}x |")
+        speedup_1 = r["python_heap_build"] / r["build_from_topk_1_thread"]
+        print("| " + " | ".join(cells) + f" | {speedup:.0f}x | {speedup_1:.0f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "reqs": R, "rows": rows}, f, indent=1)

@@ -107,6 +107,22 @@ def test_tree_invariants(case) -> None:
             assert bits == ancestors
 
 
+@pytest.mark.parametrize("budget", [16, 256, 1024])
+@pytest.mark.parametrize("spine", [False, True])
+def test_build_split_across_threads_equals_one_thread(budget, spine) -> None:
+    """The CPU op hands batches of trees to several intra-op threads; each tree must come
+    out as if built alone (no shared scratch between threads)."""
+    roots, logprobs, ids = random_topk(budget, 64, 15, 2 * budget, budget, ties=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.build_tree(roots, logprobs, ids, budget, spine)
+        torch.set_num_threads(2)
+        assert_same_trees(ops.build_tree(roots, logprobs, ids, budget, spine), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("spine", [False, True])
 def test_spine_lays_the_rank0_chain_first(spine) -> None:
     # Depth 1 is very sure of two tokens, deeper positions are flat: best-first spends the

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -26,8 +27,10 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
   const auto ids = topk_ids.contiguous();
   const auto roots = root_tokens.contiguous();
   TreeOutputs out(R, N, ids, lp);
-  // A tree takes a few µs: small batches stay on one thread (waking others costs more).
-  at::parallel_for(0, R, 32, [&](int64_t begin, int64_t end) {
+  // Trees split across intra-op threads (setup.py builds with OpenMP, else this is serial)
+  // in tasks of at least ~512 nodes, about 2 µs: smaller tasks cost more to hand out.
+  const int64_t grain = std::max<int64_t>(1, 512 / N);
+  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     std::vector<Candidate> heap(N);
     std::vector<int32_t> last_child(N);
     for (int64_t r = begin; r < end; ++r) {
@@ -41,9 +44,10 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
                      L, K, budget, spine, roots.data_ptr<int64_t>()[r], heap.data(), rows);
       // Parents precede children: a node's mask is its parent's plus its own bit.
       int32_t* m = out.mask.data_ptr<int32_t>() + r * N * W;
-      for (int64_t i = 0; i < N; ++i) {
-        const int32_t* up = rows.parents[i] >= 0 ? m + rows.parents[i] * W : nullptr;
-        for (int64_t w = 0; w < W; ++w) m[i * W + w] = up ? up[w] : 0;
+      std::memset(m, 0, W * sizeof(int32_t));
+      m[0] = 1;
+      for (int64_t i = 1; i < N; ++i) {
+        std::memcpy(m + i * W, m + rows.parents[i] * W, W * sizeof(int32_t));
         m[i * W + i / 32] |= static_cast<int32_t>(1u << (i % 32));
       }
     }

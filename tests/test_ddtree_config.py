@@ -60,6 +60,12 @@ def test_valid_config_maps_onto_dflash_with_tree_attention(tiny_models: Path) ->
     ({"method": "dflash", "num_speculative_tokens": 7, "tree_budget": 4}, {},
      r"speculative_config.tree_budget applies to method 'ddtree' only"),
     ({"tree_spine": "maybe"}, {}, r"tree_spine\n  Input should be a valid boolean"),
+    ({}, {"logprobs_mode": "processed_logprobs"},
+     r"model_config.logprobs_mode is 'processed_logprobs': method 'ddtree' returns raw"),
+    ({}, {"logits_processors": ["vllm.v1.sample.logits_processor.MinTokensLogitsProcessor"]},
+     r"model_config.logits_processors: method 'ddtree' does not run custom"),
+    ({}, {"return_sampling_mask": True}, r"model_config.return_sampling_mask is not supported"),
+    ({}, {"watermark_config": {"key": 1}}, r"watermark_config: method 'ddtree' does not"),
 ])
 def test_bad_config_fails_at_startup_naming_the_field(tiny_models: Path, tmp_path: Path, spec,
                                                        engine_kwargs, message) -> None:
@@ -123,3 +129,23 @@ def test_drafter_keeps_its_own_attention_backend(tiny_models: Path) -> None:
     impl = {name: type(model.model.layers[0].self_attn.attn.impl).__name__
             for name, model in (("target", runner.model), ("drafter", runner.drafter.model))}
     assert impl == {"target": "TreeAttentionCPUImpl", "drafter": "CPUAttentionBackendImpl"}
+
+
+@pytest.mark.parametrize("name, value", [
+    ("presence_penalty", 0.5), ("repetition_penalty", 1.1), ("min_tokens", 2),
+    ("logit_bias", {3: 1.0}), ("bad_words", ["x"]), ("n", 2), ("thinking_token_budget", 8),
+    ("logprob_token_ids", [1, 2]), ("trace_decode_token_ids", [4, 5]),
+])
+def test_request_parameters_the_tree_path_ignores_are_refused_by_name(name, value) -> None:
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_ddtree.sampling import validate_request
+
+    validate_request(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=3,
+                                    prompt_logprobs=2))  # all honoured
+    params = SamplingParams()
+    setattr(params, name, value)
+    with pytest.raises(VLLMValidationError, match=f"{name}=.* is not supported") as error:
+        validate_request(params)
+    assert error.value.parameter == name

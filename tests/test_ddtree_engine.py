@@ -140,6 +140,54 @@ def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline,
     assert accepted / drafts > 1.0, (accepted, drafts)  # mean acceptance length > 2
 
 
+@pytest.mark.slow
+def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch) -> None:
+    """Greedy, half the requests asking logprobs=3 (a quarter also prompt_logprobs=2), with
+    trees accepted deep and off the chain (the oracle drafter): every emitted token's
+    logprob, rank and top-3 equal those of the target alone (float32, within 1e-4), each
+    taken at the node that chose the token; prompt logprobs equal too."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    def run(spec: dict | None) -> list:
+        llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
+                  seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec)
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                 logprobs=3 if i % 2 == 0 else None,
+                                 prompt_logprobs=2 if i % 4 == 0 else None)
+                  for i in range(len(PROMPTS))]
+        return llm.generate(PROMPTS, params, use_tqdm=False), llm
+
+    plain, llm = run(None)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = {tuple(tokenizer.encode(p)): p for p in PROMPTS}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=3))
+    tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
+                     "tree_budget": 16})
+    assert ddtree_state(llm).stats()["longest_accepted"] >= 3
+    for i, (want_request, got_request) in enumerate(zip(plain, tree)):
+        if i % 4 == 0:  # prompt logprobs come from the prefill, untouched by trees
+            for w, g in zip(want_request.prompt_logprobs[1:], got_request.prompt_logprobs[1:]):
+                assert set(g) == set(w)
+                assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in w)
+        else:
+            assert got_request.prompt_logprobs is None
+        want, got = want_request.outputs[0], got_request.outputs[0]
+        assert list(got.token_ids) == list(want.token_ids)
+        if i % 2:
+            assert got.logprobs is None
+            continue
+        assert len(got.logprobs) == len(want.logprobs) == MAX_TOKENS
+        for token, w, g in zip(want.token_ids, want.logprobs, got.logprobs):
+            assert set(g) == set(w) and token in g
+            for t in w:
+                assert g[t].rank == w[t].rank
+                assert abs(g[t].logprob - w[t].logprob) < 1e-4, (i, t, g[t], w[t])
+
+
 def chi_square_p_value(a: list[int], b: list[int]) -> float:
     """Two-sample chi-square test of homogeneity; bins with an expected count below 5 in
     either sample are pooled."""

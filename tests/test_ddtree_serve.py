@@ -108,7 +108,7 @@ def test_sampling_with_seed_is_served(server: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("param, value", [
     ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.2),
-    ("logprobs", 2), ("min_tokens", 4), ("logit_bias", {"5": 10}), ("n", 2),
+    ("min_tokens", 4), ("logit_bias", {"5": 10}), ("n", 2),
 ])
 def test_unsupported_parameter_is_a_400_and_the_server_keeps_serving(server: str, param,
                                                                        value) -> None:
@@ -118,6 +118,20 @@ def test_unsupported_parameter_is_a_400_and_the_server_keeps_serving(server: str
     assert param in payload
     status, payload = post(server, "/v1/completions", body)
     assert status == 200, payload
+
+
+@pytest.mark.slow
+def test_logprobs_are_served(server: str) -> None:
+    body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0,
+            "logprobs": 2}
+    status, payload = post(server, "/v1/completions", body)
+    assert status == 200, payload
+    logprobs = json.loads(payload)["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 8
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"])
+    # Greedy: each emitted token is the most probable, so its logprob tops its list.
+    for lp, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert abs(lp - max(top.values())) < 1e-5
 
 
 @pytest.mark.slow

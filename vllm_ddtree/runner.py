@@ -40,7 +40,7 @@ class DDTreeProposer(DFlashProposer):
         spec = vllm_config.speculative_config
         super().__init__(vllm_config, device, runner)
         self.budget, self.depth, self.spine = spec.tree_budget, spec.tree_depth, spec.tree_spine
-        self.ddtree_state = DDTreeState(runner, self.budget)
+        self.ddtree_state = DDTreeState(runner, self.budget, self.depth)
         self._roots: torch.Tensor | None = None
 
     def _create_draft_vllm_config(self) -> Any:
@@ -72,8 +72,8 @@ class DDTreeProposer(DFlashProposer):
 
 
 class DDTreeState:
-    def __init__(self, runner: Any, budget: int) -> None:
-        self.runner, self.budget = runner, budget
+    def __init__(self, runner: Any, budget: int, depth: int) -> None:
+        self.runner, self.budget, self.depth = runner, budget, depth
         self.num_nodes = budget + 1
         self.trees = tree_batch.TreeBatch(runner.max_num_reqs, budget, runner.device)
         tree_batch.install(runner.vllm_config, self.trees)
@@ -154,20 +154,44 @@ class DDTreeState:
         runner.input_batch.update_async_output_token_ids()
         drafts = spec_decode_metadata.num_draft_tokens
         cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device)
-        per_row = node_choices(logits, [1 + n for n in drafts], cu_sampled,
-                               runner.input_batch.sampling_metadata)
-        rows = (cu_sampled - (1 + step["num_drafts"]))[:, None] + self.node
+        sampling_metadata = runner.input_batch.sampling_metadata
+        per_row = node_choices(logits, [1 + n for n in drafts], cu_sampled, sampling_metadata)
+        first_row = cu_sampled - (1 + step["num_drafts"])  # each request's root row
+        rows = first_row[:, None] + self.node
         choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
             step["token_ids"], step["first_child"], step["next_sibling"], choice,
             self.budget))
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._logprobs(logits, first_row, verdict,
+                                      sampling_metadata.max_num_logprobs)
         self._compact(verdict, hidden_states, aux_hidden_states)
         self._count(verdict)
         num_tokens = step["num_tokens"]
         runner.positions[:num_tokens] -= step["delta"]  # chain positions for the drafter
         self.step = None
         return SamplerOutput(sampled_token_ids=verdict.output_tokens.to(torch.int32),
-                             logprobs_tensors=None)
+                             logprobs_tensors=logprobs)
+
+    def _logprobs(self, logits: torch.Tensor, first_row: torch.Tensor, verdict: ops.Verdict,
+                  num_logprobs: int) -> Any:
+        """Logprobs of the emitted tokens, laid out like the tokens ([R, D + 1] flattened;
+        vLLM drops the -1 padding's rows): token j of a request was chosen at its accepted
+        path's node j - 1 (the root for j = 0), so its logits row is that node's. Raw
+        logprobs or logits, as the sampler's logprobs_mode says (ddtree's config refuses
+        the processed modes)."""
+        sampler = self.runner.sampler
+        width = min(self.depth, verdict.accepted.shape[1]) + 1  # no path is deeper
+        path = torch.cat([verdict.accepted.new_zeros(len(first_row), 1),
+                          verdict.accepted[:, :width - 1]], dim=1).clamp(min=0)
+        rows = (first_row[:, None] + path).flatten().clamp(max=logits.shape[0] - 1)
+        scores = logits[rows].float()
+        if sampler.logprobs_mode == "raw_logprobs":
+            scores = sampler.compute_logprobs(scores)
+        tokens = verdict.output_tokens[:, :width].flatten().clamp(min=0)
+        full = sampler.gather_logprobs(scores, num_logprobs, tokens)
+        return _pad_rows(full, len(first_row), width, verdict.output_tokens.shape[1])
 
     def _count(self, verdict: ops.Verdict) -> None:
         self.last_verdict = verdict
@@ -235,3 +259,18 @@ def _compact_cpu_attn_caches(layers: list, slot_mapping: torch.Tensor, qsl: torc
             h = torch.arange(heads)[None, :, None]
             values = tiles[(src_slots // page)[:, None, None], h, side, read[:, None, :]]
             tiles[(dst_slots // page)[:, None, None], h, side, write[:, None, :]] = values
+
+
+def _pad_rows(tensors: Any, num_reqs: int, width: int, full_width: int) -> Any:
+    """LogprobsTensors of ``width`` tokens per request, widened with zero rows to the
+    ``full_width`` of the sampled tokens (the padding rows sit under -1 tokens)."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    def widen(t: torch.Tensor) -> torch.Tensor:
+        t = t.view(num_reqs, width, *t.shape[1:])
+        out = t.new_zeros(num_reqs, full_width, *t.shape[2:])
+        out[:, :width] = t
+        return out.flatten(0, 1)
+
+    return LogprobsTensors(widen(tensors.logprob_token_ids), widen(tensors.logprobs),
+                           widen(tensors.selected_token_ranks))

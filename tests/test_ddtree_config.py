@@ -132,9 +132,9 @@ def test_drafter_keeps_its_own_attention_backend(tiny_models: Path) -> None:
 
 
 @pytest.mark.parametrize("name, value", [
-    ("presence_penalty", 0.5), ("repetition_penalty", 1.1), ("min_tokens", 2),
-    ("logit_bias", {3: 1.0}), ("bad_words", ["x"]), ("n", 2), ("thinking_token_budget", 8),
-    ("logprob_token_ids", [1, 2]), ("trace_decode_token_ids", [4, 5]),
+    ("min_p", 0.1), ("min_tokens", 2), ("logit_bias", {3: 1.0}), ("bad_words", ["x"]),
+    ("thinking_token_budget", 8), ("logprob_token_ids", [1, 2]),
+    ("trace_decode_token_ids", [4, 5]),
 ])
 def test_request_parameters_the_tree_path_ignores_are_refused_by_name(name, value) -> None:
     from vllm import SamplingParams
@@ -142,8 +142,10 @@ def test_request_parameters_the_tree_path_ignores_are_refused_by_name(name, valu
 
     from vllm_ddtree.sampling import validate_request
 
-    validate_request(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=3,
-                                    prompt_logprobs=2))  # all honoured
+    validate_request(SamplingParams(  # all honoured on the tree path
+        temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=3, prompt_logprobs=2, n=3,
+        presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1,
+        allowed_token_ids=[1, 2, 3]))
     params = SamplingParams()
     setattr(params, name, value)
     with pytest.raises(VLLMValidationError, match=f"{name}=.* is not supported") as error:

@@ -188,6 +188,49 @@ def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch) 
                 assert abs(g[t].logprob - w[t].logprob) < 1e-4, (i, t, g[t], w[t])
 
 
+@pytest.mark.slow
+def test_penalties_and_allowed_tokens_are_lossless_and_n_is_served(tiny_models: Path, baseline,
+                                                                   monkeypatch) -> None:
+    """Greedy with repetition / presence / frequency penalties and allowed_token_ids, trees
+    accepted deep and off the chain (the oracle drafter, shown the penalized continuations):
+    output equals the target alone's with the same parameters. n=2 (sampled) gives two
+    completions (vLLM fans n out into separate requests)."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    def params(i: int) -> SamplingParams:
+        extra = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.4),
+                 dict(allowed_token_ids=list(range(0, 1024, 3))),
+                 dict(n=2, temperature=0.8, seed=i)][i % 4]
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": MAX_TOKENS,
+                                 "ignore_eos": True} | extra)
+
+    def run(spec: dict | None):
+        llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
+                  seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec)
+        outputs = llm.generate(PROMPTS, [params(i) for i in range(len(PROMPTS))],
+                               use_tqdm=False)
+        return {o.prompt: [list(c.token_ids) for c in o.outputs] for o in outputs}, llm
+
+    plain, llm = run(None)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = {tuple(tokenizer.encode(p)): p for p in PROMPTS}
+    del llm
+    greedy = [p for i, p in enumerate(PROMPTS) if i % 4 != 3]
+    # The parameters change the continuations (the oracle shows the changed ones).
+    assert sum(plain[p][0] != baseline[p][:MAX_TOKENS] for p in greedy) >= len(greedy) // 2
+    monkeypatch.setattr(DDTreeProposer, "draft_logits", oracle_draft_logits(
+        {p: t[0] for p, t in plain.items()}, prompt_ids, seed=4))
+    tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
+                     "tree_budget": 16})
+    assert {p: tree[p] for p in greedy} == {p: plain[p] for p in greedy}
+    for p in PROMPTS[3::4]:
+        assert [len(t) for t in tree[p]] == [MAX_TOKENS, MAX_TOKENS]
+    stats = ddtree_state(llm).stats()
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+
+
 def chi_square_p_value(a: list[int], b: list[int]) -> float:
     """Two-sample chi-square test of homogeneity; bins with an expected count below 5 in
     either sample are pooled."""

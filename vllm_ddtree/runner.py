@@ -8,13 +8,14 @@ The runner patch (patches/0005) calls in at four points; everything else is here
    gather each request's tree (by request id: rows move between steps), write depth-aware
    positions in place, hand the trees to the attention backend;
 3. ``DDTreeState.verify`` instead of the rejection sampler: the target's choice at every
-   node, the walk (``verify_tree``), and the compaction of the accepted path's KV entries and
-   hidden states to the first slots/rows, so the scheduler's rollback (drafts - accepted)
-   and DFlash's context handling work as for a chain; chain positions are restored;
+   node (after allowed_token_ids and penalties), the walk (``verify_tree``), the emitted
+   tokens' logprobs, and the compaction of the accepted path's KV entries and hidden
+   states to the first slots/rows, so the scheduler's rollback (drafts - accepted) and
+   DFlash's context handling work as for a chain; chain positions are restored;
 4. ``DDTreeProposer._sample_draft_tokens``: the drafter's logits become trees (``build_tree``).
 
-Rows with drafts but no stored tree (placeholders) are verified as chains; rows without
-drafts just take the target's token.
+Rows with drafts but no stored tree (placeholders) are verified as chains, at most the
+drafter's depth deep; rows without drafts just take the target's token.
 """
 
 from __future__ import annotations
@@ -81,8 +82,11 @@ class DDTreeState:
         self.proposed_rows: dict[str, int] = {}
         self.step: dict[str, torch.Tensor] | None = None
         self.node = torch.arange(self.num_nodes, device=runner.device)
-        # A request drafted without a stored tree (a placeholder) is verified as a chain.
-        self.chain_child = torch.where(self.node + 1 < self.num_nodes, self.node + 1, -1)
+        # A request drafted without a stored tree (a placeholder) is verified as a chain, no
+        # deeper than a tree (accepting fewer drafts is still lossless): every path then
+        # has at most `depth` nodes below the root.
+        self.chain_child = torch.where(self.node + 1 <= min(depth, budget), self.node + 1, -1)
+        self.chain_parent = self.node - 1
         # Counters kept on the device (read them with stats(), which syncs): verify steps
         # of tree requests, the longest accepted path, and paths that left the node-index ==
         # depth line (with the spine: paths off the drafter's greedy chain).
@@ -115,14 +119,17 @@ class DDTreeState:
         cu_drafts = spec_decode_metadata.cu_num_draft_tokens
         n = torch.diff(cu_drafts, prepend=cu_drafts.new_zeros(1)).long()
         chain_depth, chain_child = self.node.expand(R, N), self.chain_child.expand(R, N)
+        parents = self.chain_parent.expand(R, N)
         if self.proposed is not None:
             got = [t[src.clamp(min=0)] for t in (self.proposed.depths,
                                                  self.proposed.first_child,
-                                                 self.proposed.next_sibling)]
+                                                 self.proposed.next_sibling,
+                                                 self.proposed.parents)]
             pick = has_tree[:, None]
             depths = torch.where(pick, got[0], chain_depth)
             first_child = torch.where(pick, got[1], chain_child)
             next_sibling = torch.where(pick, got[2], -1)
+            parents = torch.where(pick, got[3], parents)
             self.trees.set_trees(torch.where(has_tree, torch.arange(R, device=dev), -1),
                                  self.proposed.ancestor_mask[src.clamp(min=0)])
         else:  # nothing proposed yet: every drafted row is a chain
@@ -145,7 +152,8 @@ class DDTreeState:
         runner.positions[:num_tokens] += delta
         self.step = dict(token_ids=token_ids, first_child=first_child.to(torch.int32),
                          next_sibling=next_sibling.to(torch.int32), valid=valid, qsl=qsl,
-                         delta=delta, num_tokens=num_tokens, num_drafts=n)
+                         delta=delta, num_tokens=num_tokens, num_drafts=n,
+                         parents=parents.long())
 
     def verify(self, logits: torch.Tensor, spec_decode_metadata: Any, hidden_states: Any,
                aux_hidden_states: Any) -> SamplerOutput:
@@ -155,8 +163,10 @@ class DDTreeState:
         drafts = spec_decode_metadata.num_draft_tokens
         cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device)
         sampling_metadata = runner.input_batch.sampling_metadata
-        per_row = node_choices(logits, [1 + n for n in drafts], cu_sampled, sampling_metadata)
         first_row = cu_sampled - (1 + step["num_drafts"])  # each request's root row
+        processed = self._process_logits(logits, first_row, cu_sampled, sampling_metadata)
+        per_row = node_choices(processed, [1 + n for n in drafts], cu_sampled,
+                               sampling_metadata)
         rows = first_row[:, None] + self.node
         choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
@@ -173,6 +183,50 @@ class DDTreeState:
         self.step = None
         return SamplerOutput(sampled_token_ids=verdict.output_tokens.to(torch.int32),
                              logprobs_tensors=logprobs)
+
+    def _process_logits(self, logits: torch.Tensor, first_row: torch.Tensor,
+                        cu_sampled: torch.Tensor, sm: Any) -> torch.Tensor:
+        """The logits with what vLLM's sampler applies before choosing (allowed_token_ids,
+        then presence / frequency / repetition penalties), each node's output so far being
+        the request's output plus the tokens on the node's path below the root (as a chain
+        position's is the output plus the drafts before it)."""
+        if sm.no_penalties and sm.allowed_token_ids_mask is None:
+            return logits
+        from vllm.model_executor.layers.utils import apply_penalties
+        from vllm.utils.torch_utils import PIN_MEMORY, make_tensor_with_pad
+
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        req = torch.searchsorted(cu_sampled.to(rows.dtype), rows, right=True)
+        node = (rows - first_row[req]).clamp(max=self.num_nodes - 1)
+        processed = logits.to(torch.float32, copy=True)
+        if sm.allowed_token_ids_mask is not None:
+            processed.masked_fill_(sm.allowed_token_ids_mask[req], float("-inf"))
+        if not sm.no_penalties:
+            vocab = logits.shape[-1]
+            output = make_tensor_with_pad(sm.output_token_ids[:len(first_row)], pad=vocab,
+                                          device="cpu", dtype=torch.int64,
+                                          pin_memory=PIN_MEMORY)
+            output = output.to(logits.device, non_blocking=True)
+            output.masked_fill_(output < 0, vocab)  # async scheduling's placeholders
+            history = torch.cat([output[req], self._path_tokens(vocab)[req, node]], dim=1)
+            apply_penalties(processed, sm.prompt_token_ids[req], history,
+                            sm.presence_penalties[req], sm.frequency_penalties[req],
+                            sm.repetition_penalties[req])
+        return processed
+
+    def _path_tokens(self, pad: int) -> torch.Tensor:
+        """[R, N, depth]: each node's path tokens below the root (itself included), padded
+        with ``pad``; found by following parents, at most ``depth`` hops."""
+        token_ids, parents = self.step["token_ids"], self.step["parents"]
+        cur = self.node.expand_as(parents)
+        columns = []
+        for _ in range(self.depth):
+            on_path = cur > 0
+            at = cur.clamp(min=0)
+            token = token_ids.gather(1, at)
+            columns.append(torch.where(on_path & (token >= 0), token, pad))
+            cur = torch.where(on_path, parents.gather(1, at), 0)
+        return torch.stack(columns, dim=-1)
 
     def _logprobs(self, logits: torch.Tensor, first_row: torch.Tensor, verdict: ops.Verdict,
                   num_logprobs: int) -> Any:

@@ -5,10 +5,13 @@ Lossless sampling needs no draft probabilities (the drafts are deterministic top
 target samples independently at every node with the request's own temperature / top-k /
 top-p (and seed), and the walk follows the sample; the first sample with no matching child
 is the bonus token. Each emitted token is thus a sample of the target given the accepted
-prefix, exactly as without speculation. Logprobs come from the target's logits at the node
-where each token was chosen (DDTreeState.verify). Parameters whose logits processing depends
-on the path (penalties, bad words, ...) or that force or score other tokens are refused per
-request with an error naming the parameter (an HTTP 400), while the server keeps serving.
+prefix, exactly as without speculation. Before choosing, the logits get what vLLM's sampler
+applies (allowed_token_ids; penalties, counting each node's path as output), and logprobs
+come from the target's logits at the node where each token was chosen (both in
+DDTreeState.verify); n > 1 reaches the engine as n separate requests. Parameters applied
+by logits processors the tree path does not run, or that force or score other tokens, are
+refused per request with an error naming the parameter (an HTTP 400), while the server keeps
+serving.
 """
 
 from __future__ import annotations
@@ -19,11 +22,9 @@ import torch
 
 # (parameter, value that means "unused"): anything else is refused on the tree path.
 UNSUPPORTED = (
-    ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-    ("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None),
-    ("bad_words", None), ("structured_outputs", None), ("n", 1),
-    ("thinking_token_budget", None), ("logprob_token_ids", None),
-    ("trace_decode_token_ids", None),
+    ("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None), ("bad_words", None),
+    ("structured_outputs", None), ("thinking_token_budget", None),
+    ("logprob_token_ids", None), ("trace_decode_token_ids", None),
 )
 
 

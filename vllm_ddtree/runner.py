@@ -29,7 +29,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_ddtree import ops
 from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.config import deriving_drafter_config
-from vllm_ddtree.sampling import node_choices
+from vllm_ddtree.sampling import node_choices, process_node_logits
 from vllm_ddtree.tree import DraftTrees
 
 
@@ -153,7 +153,7 @@ class DDTreeState:
         self.step = dict(token_ids=token_ids, first_child=first_child.to(torch.int32),
                          next_sibling=next_sibling.to(torch.int32), valid=valid, qsl=qsl,
                          delta=delta, num_tokens=num_tokens, num_drafts=n,
-                         parents=parents.long())
+                         parents=parents.long(), depths=depths.long())
 
     def verify(self, logits: torch.Tensor, spec_decode_metadata: Any, hidden_states: Any,
                aux_hidden_states: Any) -> SamplerOutput:
@@ -164,7 +164,12 @@ class DDTreeState:
         cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device)
         sampling_metadata = runner.input_batch.sampling_metadata
         first_row = cu_sampled - (1 + step["num_drafts"])  # each request's root row
-        processed = self._process_logits(logits, first_row, cu_sampled, sampling_metadata)
+        all_rows = torch.arange(logits.shape[0], device=logits.device)
+        req = torch.searchsorted(cu_sampled.to(all_rows.dtype), all_rows, right=True)
+        node = (all_rows - first_row[req]).clamp(max=self.num_nodes - 1)
+        processed = process_node_logits(
+            logits, req, step["depths"][req, node], lambda pad: self._path_tokens(pad)[req, node],
+            len(first_row), sampling_metadata)
         per_row = node_choices(processed, [1 + n for n in drafts], cu_sampled,
                                sampling_metadata)
         rows = first_row[:, None] + self.node
@@ -183,36 +188,6 @@ class DDTreeState:
         self.step = None
         return SamplerOutput(sampled_token_ids=verdict.output_tokens.to(torch.int32),
                              logprobs_tensors=logprobs)
-
-    def _process_logits(self, logits: torch.Tensor, first_row: torch.Tensor,
-                        cu_sampled: torch.Tensor, sm: Any) -> torch.Tensor:
-        """The logits with what vLLM's sampler applies before choosing (allowed_token_ids,
-        then presence / frequency / repetition penalties), each node's output so far being
-        the request's output plus the tokens on the node's path below the root (as a chain
-        position's is the output plus the drafts before it)."""
-        if sm.no_penalties and sm.allowed_token_ids_mask is None:
-            return logits
-        from vllm.model_executor.layers.utils import apply_penalties
-        from vllm.utils.torch_utils import PIN_MEMORY, make_tensor_with_pad
-
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        req = torch.searchsorted(cu_sampled.to(rows.dtype), rows, right=True)
-        node = (rows - first_row[req]).clamp(max=self.num_nodes - 1)
-        processed = logits.to(torch.float32, copy=True)
-        if sm.allowed_token_ids_mask is not None:
-            processed.masked_fill_(sm.allowed_token_ids_mask[req], float("-inf"))
-        if not sm.no_penalties:
-            vocab = logits.shape[-1]
-            output = make_tensor_with_pad(sm.output_token_ids[:len(first_row)], pad=vocab,
-                                          device="cpu", dtype=torch.int64,
-                                          pin_memory=PIN_MEMORY)
-            output = output.to(logits.device, non_blocking=True)
-            output.masked_fill_(output < 0, vocab)  # async scheduling's placeholders
-            history = torch.cat([output[req], self._path_tokens(vocab)[req, node]], dim=1)
-            apply_penalties(processed, sm.prompt_token_ids[req], history,
-                            sm.presence_penalties[req], sm.frequency_penalties[req],
-                            sm.repetition_penalties[req])
-        return processed
 
     def _path_tokens(self, pad: int) -> torch.Tensor:
         """[R, N, depth]: each node's path tokens below the root (itself included), padded

@@ -5,25 +5,28 @@ Lossless sampling needs no draft probabilities (the drafts are deterministic top
 target samples independently at every node with the request's own temperature / top-k /
 top-p (and seed), and the walk follows the sample; the first sample with no matching child
 is the bonus token. Each emitted token is thus a sample of the target given the accepted
-prefix, exactly as without speculation. Before choosing, the logits get what vLLM's sampler
-applies (allowed_token_ids; penalties, counting each node's path as output), and logprobs
-come from the target's logits at the node where each token was chosen (both in
-DDTreeState.verify); n > 1 reaches the engine as n separate requests. Parameters applied
-by logits processors the tree path does not run, or that force or score other tokens, are
-refused per request with an error naming the parameter (an HTTP 400), while the server keeps
-serving.
+prefix, exactly as without speculation. Before choosing, each node's logits get what vLLM's
+sampler applies, in its order (allowed_token_ids, min_tokens, penalties; then, for
+sampling, temperature and top-k / top-p), with the node's path below the root counted as
+output, as a chain position counts the drafts before it. Logprobs come from the
+target's raw logits at the node that chose each token (DDTreeState.verify); n > 1 reaches
+the engine as n separate requests. Parameters the tree path does not apply (bad words,
+structured output, thinking budget; min_p and logit_bias, which vLLM refuses for every
+speculative method) or that force or score other tokens are refused per
+request with an error naming the parameter (an HTTP 400), while the server keeps serving.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 # (parameter, value that means "unused"): anything else is refused on the tree path.
 UNSUPPORTED = (
-    ("min_p", 0.0), ("min_tokens", 0), ("logit_bias", None), ("bad_words", None),
-    ("structured_outputs", None), ("thinking_token_budget", None),
+    ("min_p", 0.0), ("logit_bias", None),  # vLLM refuses these for all speculative methods
+    ("bad_words", None), ("structured_outputs", None), ("thinking_token_budget", None),
     ("logprob_token_ids", None), ("trace_decode_token_ids", None),
 )
 
@@ -39,6 +42,59 @@ def validate_request(params: Any) -> None:
                 f"{name}={value!r} is not supported with speculative method 'ddtree' (tree "
                 f"verification does not apply it); leave {name} unset", parameter=name,
                 value=value)
+
+
+def _builtin(processors: list, kind: type) -> Any:
+    """vLLM's built-in logits processor of this kind, if it has requests this step."""
+    for p in processors:
+        if isinstance(p, kind):
+            return p
+    return None
+
+
+def process_node_logits(logits: torch.Tensor, request: torch.Tensor, depth: torch.Tensor,
+                        path_tokens: Callable[[int], torch.Tensor], num_reqs: int,
+                        sampling_metadata: Any) -> torch.Tensor:
+    """What vLLM's sampler applies to logits before choosing, for one row per tree node:
+    ``request`` and ``depth`` are each row's request (batch row) and node depth, and
+    ``path_tokens(pad)`` each row's tokens below the root (``pad`` where none). Returns
+    ``logits`` itself when nothing applies, else a float32 copy."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    sm = sampling_metadata
+    min_tokens = _builtin(sm.logitsprocs.non_argmax_invariant, MinTokensLogitsProcessor)
+    min_tokens = min_tokens if min_tokens is not None and min_tokens.min_toks else None
+    if sm.no_penalties and sm.allowed_token_ids_mask is None and min_tokens is None:
+        return logits
+    from vllm.model_executor.layers.utils import apply_penalties
+    from vllm.utils.torch_utils import PIN_MEMORY, async_tensor_h2d, make_tensor_with_pad
+
+    dev, vocab = logits.device, logits.shape[-1]
+    processed = logits.to(torch.float32, copy=True)
+    if sm.allowed_token_ids_mask is not None:
+        processed.masked_fill_(sm.allowed_token_ids_mask[request], float("-inf"))
+    if min_tokens is not None:  # stop tokens out while output + depth < min_tokens
+        left, reqs, stops = [0] * num_reqs, [], []
+        for r, (least, output, stop_ids, _) in min_tokens.min_toks.items():
+            if r < num_reqs:
+                left[r] = least - len(output)
+                reqs += [r] * len(stop_ids)
+                stops += list(stop_ids)
+        is_stop = torch.zeros(num_reqs, vocab, dtype=torch.bool, device=dev)
+        is_stop[async_tensor_h2d(reqs, dev, torch.int64),
+                async_tensor_h2d(stops, dev, torch.int64)] = True
+        short = depth < async_tensor_h2d(left, dev, torch.int64)[request]
+        processed.masked_fill_(is_stop[request] & short[:, None], float("-inf"))
+    if not sm.no_penalties:
+        output = make_tensor_with_pad(sm.output_token_ids[:num_reqs], pad=vocab, device="cpu",
+                                      dtype=torch.int64, pin_memory=PIN_MEMORY)
+        output = output.to(dev, non_blocking=True)
+        output.masked_fill_(output < 0, vocab)  # async scheduling's placeholders
+        history = torch.cat([output[request], path_tokens(vocab)], dim=1)
+        apply_penalties(processed, sm.prompt_token_ids[request], history,
+                        sm.presence_penalties[request], sm.frequency_penalties[request],
+                        sm.repetition_penalties[request])
+    return processed
 
 
 def node_choices(logits: torch.Tensor, num_sampled: list[int], cu_num_sampled: torch.Tensor,

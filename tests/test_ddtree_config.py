@@ -132,7 +132,7 @@ def test_drafter_keeps_its_own_attention_backend(tiny_models: Path) -> None:
 
 
 @pytest.mark.parametrize("name, value", [
-    ("min_p", 0.1), ("logit_bias", {3: 1.0}), ("bad_words", ["x"]),
+    ("min_p", 0.1), ("logit_bias", {3: 1.0}),
     ("thinking_token_budget", 8), ("logprob_token_ids", [1, 2]),
     ("trace_decode_token_ids", [4, 5]),
 ])
@@ -145,7 +145,7 @@ def test_request_parameters_the_tree_path_ignores_are_refused_by_name(name, valu
     validate_request(SamplingParams(  # all honoured on the tree path
         temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=3, prompt_logprobs=2, n=3,
         presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1,
-        allowed_token_ids=[1, 2, 3], min_tokens=4))
+        allowed_token_ids=[1, 2, 3], min_tokens=4, bad_words=["x"]))
     params = SamplingParams()
     setattr(params, name, value)
     with pytest.raises(VLLMValidationError, match=f"{name}=.* is not supported") as error:

@@ -191,14 +191,18 @@ def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch) 
 @pytest.mark.slow
 def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseline,
                                                        monkeypatch) -> None:
-    """Repetition / presence / frequency penalties, allowed_token_ids and min_tokens (with a
-    stop token the target would choose 4th; with nearly every token a stop token),
-    with trees accepted deep and off the chain (the
-    oracle drafter, shown these continuations): output equals the target alone's with the
-    same parameters. n=2 (sampled) gives two completions (vLLM fans n out)."""
+    """Repetition / presence / frequency penalties, allowed_token_ids, min_tokens (with a
+    stop token the target would choose 4th; with nearly every token a stop token) and
+    bad_words (two tokens the target would choose 4th and 5th), with trees accepted deep and
+    off the chain (the oracle drafter, shown these continuations): output equals the target
+    alone's with the same parameters. n=2 (sampled) gives two completions (vLLM fans n
+    out)."""
+    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     from vllm_ddtree.runner import DDTreeProposer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "target")
 
     def params(i: int, prompt: str) -> SamplingParams:
         want = baseline[prompt]
@@ -206,7 +210,8 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
                  dict(allowed_token_ids=list(range(0, 1024, 3))),
                  dict(n=2, temperature=0.8, seed=i),
                  dict(min_tokens=12, stop_token_ids=[want[3]]),
-                 dict(min_tokens=8, stop_token_ids=list(range(64, 1024)))][i % 6]
+                 dict(min_tokens=8, stop_token_ids=list(range(64, 1024))),
+                 dict(bad_words=[tokenizer.decode(want[3:5])])][i % 7]
         return SamplingParams(**{"temperature": 0.0, "max_tokens": MAX_TOKENS,
                                  "ignore_eos": True} | extra)
 
@@ -218,22 +223,22 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
         return {o.prompt: [list(c.token_ids) for c in o.outputs] for o in outputs}, llm
 
     plain, llm = run(None)
-    tokenizer = llm.get_tokenizer()
-    prompt_ids = {tuple(tokenizer.encode(p)): p for p in PROMPTS}
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
     del llm
-    compared = [p for i, p in enumerate(PROMPTS) if i % 6 != 3]
+    compared = [p for i, p in enumerate(PROMPTS) if i % 7 != 3]
     # The parameters change the continuations (the oracle shows the changed ones).
     assert sum(plain[p][0] != baseline[p][:MAX_TOKENS] for p in compared) > len(compared) // 2
-    for p in PROMPTS[4::6]:  # the stop token, the target's 4th choice, waits for min_tokens
+    for p in PROMPTS[4::7]:  # the stop token, the target's 4th choice, waits for min_tokens
         assert baseline[p][3] not in plain[p][0][:12] and len(plain[p][0]) >= 12
     # Many stop tokens: output stops right at min_tokens, inside a tree (its depth counts).
-    assert sum(len(plain[p][0]) == 9 for p in PROMPTS[5::6]) >= 3
+    assert sum(len(plain[p][0]) == 9 for p in PROMPTS[5::7]) >= 3
+    assert sum(plain[p][0][:5] != baseline[p][:5] for p in PROMPTS[6::7]) >= 2  # bad words
     monkeypatch.setattr(DDTreeProposer, "draft_logits", oracle_draft_logits(
         {p: t[0] for p, t in plain.items()}, prompt_ids, seed=4))
     tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
                      "tree_budget": 16})
     assert {p: tree[p] for p in compared} == {p: plain[p] for p in compared}
-    for p in PROMPTS[3::6]:
+    for p in PROMPTS[3::7]:
         assert [len(t) for t in tree[p]] == [MAX_TOKENS, MAX_TOKENS]
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats

@@ -107,7 +107,8 @@ def test_sampling_with_seed_is_served(server: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("param, value", [
-    ("min_p", 0.1), ("logit_bias", {"5": 10}), ("bad_words", ["x"]),
+    ("min_p", 0.1), ("logit_bias", {"5": 10}),
+    ("structured_outputs", {"json": {"type": "object"}}),
 ])
 def test_unsupported_parameter_is_a_400_and_the_server_keeps_serving(server: str, param,
                                                                        value) -> None:
@@ -138,7 +139,7 @@ def test_logprobs_are_served(server: str) -> None:
 def test_penalties_and_n_are_served(server: str) -> None:
     body = {"model": "tiny", "prompt": "x = x +", "max_tokens": 6, "temperature": 0.8,
             "seed": 3, "n": 2, "repetition_penalty": 1.2, "presence_penalty": 0.3,
-            "frequency_penalty": 0.3, "min_tokens": 3}
+            "frequency_penalty": 0.3, "min_tokens": 3, "bad_words": ["x"]}
     status, payload = post(server, "/v1/completions", body)
     assert status == 200, payload
     assert len(json.loads(payload)["choices"]) == 2

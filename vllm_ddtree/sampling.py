@@ -6,13 +6,13 @@ target samples independently at every node with the request's own temperature / 
 top-p (and seed), and the walk follows the sample; the first sample with no matching child
 is the bonus token. Each emitted token is thus a sample of the target given the accepted
 prefix, exactly as without speculation. Before choosing, each node's logits get what vLLM's
-sampler applies, in its order (allowed_token_ids, min_tokens, penalties; then, for
-sampling, temperature and top-k / top-p), with the node's path below the root counted as
-output, as a chain position counts the drafts before it. Logprobs come from the
+sampler applies, in its order (allowed_token_ids, bad_words, min_tokens, penalties; then,
+for sampling, temperature and top-k / top-p), with the node's path below the root counted
+as output, as a chain position counts the drafts before it. Logprobs come from the
 target's raw logits at the node that chose each token (DDTreeState.verify); n > 1 reaches
-the engine as n separate requests. Parameters the tree path does not apply (bad words,
-structured output, thinking budget; min_p and logit_bias, which vLLM refuses for every
-speculative method) or that force or score other tokens are refused per
+the engine as n separate requests. Parameters the tree path does not apply (structured
+output, thinking budget; min_p and logit_bias, which vLLM refuses for every speculative
+method) or that force or score other tokens are refused per
 request with an error naming the parameter (an HTTP 400), while the server keeps serving.
 """
 
@@ -26,7 +26,7 @@ import torch
 # (parameter, value that means "unused"): anything else is refused on the tree path.
 UNSUPPORTED = (
     ("min_p", 0.0), ("logit_bias", None),  # vLLM refuses these for all speculative methods
-    ("bad_words", None), ("structured_outputs", None), ("thinking_token_budget", None),
+    ("structured_outputs", None), ("thinking_token_budget", None),
     ("logprob_token_ids", None), ("trace_decode_token_ids", None),
 )
 
@@ -57,44 +57,96 @@ def process_node_logits(logits: torch.Tensor, request: torch.Tensor, depth: torc
                         sampling_metadata: Any) -> torch.Tensor:
     """What vLLM's sampler applies to logits before choosing, for one row per tree node:
     ``request`` and ``depth`` are each row's request (batch row) and node depth, and
-    ``path_tokens(pad)`` each row's tokens below the root (``pad`` where none). Returns
-    ``logits`` itself when nothing applies, else a float32 copy."""
+    ``path_tokens(pad)`` each row's tokens below the root, the node's own first, then its
+    parent's, ... (``pad`` where none). Returns ``logits`` itself when nothing applies, else
+    a float32 copy."""
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
     sm = sampling_metadata
     min_tokens = _builtin(sm.logitsprocs.non_argmax_invariant, MinTokensLogitsProcessor)
     min_tokens = min_tokens if min_tokens is not None and min_tokens.min_toks else None
-    if sm.no_penalties and sm.allowed_token_ids_mask is None and min_tokens is None:
+    if (sm.no_penalties and sm.allowed_token_ids_mask is None and min_tokens is None
+            and not sm.bad_words_token_ids):
         return logits
-    from vllm.model_executor.layers.utils import apply_penalties
-    from vllm.utils.torch_utils import PIN_MEMORY, async_tensor_h2d, make_tensor_with_pad
-
-    dev, vocab = logits.device, logits.shape[-1]
     processed = logits.to(torch.float32, copy=True)
+    path = path_tokens(-1)
     if sm.allowed_token_ids_mask is not None:
         processed.masked_fill_(sm.allowed_token_ids_mask[request], float("-inf"))
-    if min_tokens is not None:  # stop tokens out while output + depth < min_tokens
-        left, reqs, stops = [0] * num_reqs, [], []
-        for r, (least, output, stop_ids, _) in min_tokens.min_toks.items():
-            if r < num_reqs:
-                left[r] = least - len(output)
-                reqs += [r] * len(stop_ids)
-                stops += list(stop_ids)
-        is_stop = torch.zeros(num_reqs, vocab, dtype=torch.bool, device=dev)
-        is_stop[async_tensor_h2d(reqs, dev, torch.int64),
-                async_tensor_h2d(stops, dev, torch.int64)] = True
-        short = depth < async_tensor_h2d(left, dev, torch.int64)[request]
-        processed.masked_fill_(is_stop[request] & short[:, None], float("-inf"))
+    if sm.bad_words_token_ids:
+        _mask_bad_words(processed, request, depth, path, num_reqs, sm)
+    if min_tokens is not None:
+        _mask_stop_tokens(processed, request, depth, num_reqs, min_tokens)
     if not sm.no_penalties:
-        output = make_tensor_with_pad(sm.output_token_ids[:num_reqs], pad=vocab, device="cpu",
-                                      dtype=torch.int64, pin_memory=PIN_MEMORY)
-        output = output.to(dev, non_blocking=True)
-        output.masked_fill_(output < 0, vocab)  # async scheduling's placeholders
-        history = torch.cat([output[request], path_tokens(vocab)], dim=1)
-        apply_penalties(processed, sm.prompt_token_ids[request], history,
-                        sm.presence_penalties[request], sm.frequency_penalties[request],
-                        sm.repetition_penalties[request])
+        _apply_penalties(processed, request, path, num_reqs, sm)
     return processed
+
+
+def _mask_bad_words(logits: torch.Tensor, request: torch.Tensor, depth: torch.Tensor,
+                    path: torch.Tensor, num_reqs: int, sm: Any) -> None:
+    """A bad word's last token is banned at a node whose history (output, then path) ends
+    with the word's other tokens, as vLLM bans it after the output and drafts so far."""
+    from vllm.utils.torch_utils import async_tensor_h2d
+
+    dev = logits.device
+    words = [(r, w) for r, ws in sm.bad_words_token_ids.items() if r < num_reqs for w in ws]
+    longest = max(len(w) for _, w in words) - 1  # prefix tokens to compare, at most
+    # The last `longest` output tokens of each request, newest first (-1: none).
+    tails = [[-1] * longest for _ in range(num_reqs)]
+    for r, _ in words:
+        recent = sm.output_token_ids[r][::-1][:longest]
+        tails[r][:len(recent)] = recent
+    # History newest first: k-th token back is on the path while k < depth, else output.
+    back = torch.arange(longest, device=dev)
+    from_path = torch.nn.functional.pad(path[:, :longest], (0, longest - path[:, :longest]
+                                                           .shape[1]), value=-1)
+    out_at = (back - depth[:, None]).clamp(min=0, max=max(longest - 1, 0))
+    output = async_tensor_h2d(tails, dev, torch.int64)[request]
+    history = torch.where(back < depth[:, None], from_path, output.gather(1, out_at))
+    # Each word: its request, its prefix newest first (-2: matches anything), last token.
+    owner = async_tensor_h2d([r for r, _ in words], dev, torch.int64)
+    prefix = async_tensor_h2d([w[-2::-1] + [-2] * (longest + 1 - len(w)) for _, w in words],
+                              dev, torch.int64)
+    last = async_tensor_h2d([w[-1] for _, w in words], dev, torch.int64)
+    hit = (request[:, None] == owner) & ((prefix == -2) | (history[:, None, :] == prefix)
+                                         ).all(dim=-1)
+    banned = torch.where(hit, float("-inf"), float("inf"))
+    logits.scatter_reduce_(1, last.expand_as(hit), banned, reduce="amin")
+
+
+def _mask_stop_tokens(logits: torch.Tensor, request: torch.Tensor, depth: torch.Tensor,
+                      num_reqs: int, min_tokens: Any) -> None:
+    """Stop tokens out while the output plus the node's depth is under min_tokens."""
+    from vllm.utils.torch_utils import async_tensor_h2d
+
+    dev = logits.device
+    left, reqs, stops = [0] * num_reqs, [], []
+    for r, (least, output, stop_ids, _) in min_tokens.min_toks.items():
+        if r < num_reqs:
+            left[r] = least - len(output)
+            reqs += [r] * len(stop_ids)
+            stops += list(stop_ids)
+    is_stop = torch.zeros(num_reqs, logits.shape[-1], dtype=torch.bool, device=dev)
+    is_stop[async_tensor_h2d(reqs, dev, torch.int64),
+            async_tensor_h2d(stops, dev, torch.int64)] = True
+    short = depth < async_tensor_h2d(left, dev, torch.int64)[request]
+    logits.masked_fill_(is_stop[request] & short[:, None], float("-inf"))
+
+
+def _apply_penalties(logits: torch.Tensor, request: torch.Tensor, path: torch.Tensor,
+                     num_reqs: int, sm: Any) -> None:
+    """Presence / frequency / repetition penalties, the path counted as output."""
+    from vllm.model_executor.layers.utils import apply_penalties
+    from vllm.utils.torch_utils import PIN_MEMORY, make_tensor_with_pad
+
+    vocab = logits.shape[-1]
+    output = make_tensor_with_pad(sm.output_token_ids[:num_reqs], pad=vocab, device="cpu",
+                                  dtype=torch.int64, pin_memory=PIN_MEMORY)
+    output = output.to(logits.device, non_blocking=True)
+    history = torch.cat([output[request], path.to(torch.int64)], dim=1)
+    history.masked_fill_(history < 0, vocab)  # padding, and async scheduling's placeholders
+    apply_penalties(logits, sm.prompt_token_ids[request], history,
+                    sm.presence_penalties[request], sm.frequency_penalties[request],
+                    sm.repetition_penalties[request])
 
 
 def node_choices(logits: torch.Tensor, num_sampled: list[int], cu_num_sampled: torch.Tensor,

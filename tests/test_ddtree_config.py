@@ -139,13 +139,15 @@ def test_drafter_keeps_its_own_attention_backend(tiny_models: Path) -> None:
 def test_request_parameters_the_tree_path_ignores_are_refused_by_name(name, value) -> None:
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
 
     from vllm_ddtree.sampling import validate_request
 
     validate_request(SamplingParams(  # all honoured on the tree path
         temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=3, prompt_logprobs=2, n=3,
         presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1,
-        allowed_token_ids=[1, 2, 3], min_tokens=4, bad_words=["x"]))
+        allowed_token_ids=[1, 2, 3], min_tokens=4, bad_words=["x"],
+        structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
     params = SamplingParams()
     setattr(params, name, value)
     with pytest.raises(VLLMValidationError, match=f"{name}=.* is not supported") as error:

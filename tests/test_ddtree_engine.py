@@ -244,6 +244,55 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mixed", [True, False])
+def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed) -> None:
+    """Regex and JSON-schema requests, alone or batched with plain ones, the oracle drafter
+    shown the constrained continuations, no spine (nodes in index order are no chain):
+    output equals the target alone's and the regex is matched. vLLM builds grammar masks
+    for drafts in node order, as a chain, so structured requests are verified as chains:
+    alone, no accepted path leaves the node-index line."""
+    import re
+
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    regex = r"[a-z]+( [a-z]+)*"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def params(i: int) -> SamplingParams:
+        constraint = [StructuredOutputsParams(regex=regex), StructuredOutputsParams(json=schema),
+                      StructuredOutputsParams(regex=regex), None if mixed else
+                      StructuredOutputsParams(json=schema)][i % 4]
+        return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                              structured_outputs=constraint)
+
+    def run(spec: dict | None):
+        llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
+                  seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec)
+        outputs = llm.generate(PROMPTS, [params(i) for i in range(len(PROMPTS))],
+                               use_tqdm=False)
+        return {o.prompt: o.outputs[0] for o in outputs}, llm
+
+    plain, llm = run(None)
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits", oracle_draft_logits(
+        {p: list(o.token_ids) for p, o in plain.items()}, prompt_ids, seed=5))
+    tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
+                     "tree_budget": 16, "tree_spine": False})
+    assert {p: list(o.token_ids) for p, o in tree.items()} == {
+        p: list(o.token_ids) for p, o in plain.items()}
+    for p in PROMPTS[0::2]:
+        assert re.fullmatch(regex, tree[p].text), tree[p].text
+    stats = ddtree_state(llm).stats()
+    assert stats["longest_accepted"] >= 3, stats
+    if not mixed:
+        assert stats["paths_off_the_index_line"] == 0, stats
+
+
 def chi_square_p_value(a: list[int], b: list[int]) -> float:
     """Two-sample chi-square test of homogeneity; bins with an expected count below 5 in
     either sample are pooled."""

@@ -107,8 +107,7 @@ def test_sampling_with_seed_is_served(server: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("param, value", [
-    ("min_p", 0.1), ("logit_bias", {"5": 10}),
-    ("structured_outputs", {"json": {"type": "object"}}),
+    ("min_p", 0.1), ("logit_bias", {"5": 10}), ("thinking_token_budget", 8),
 ])
 def test_unsupported_parameter_is_a_400_and_the_server_keeps_serving(server: str, param,
                                                                        value) -> None:
@@ -143,6 +142,16 @@ def test_penalties_and_n_are_served(server: str) -> None:
     status, payload = post(server, "/v1/completions", body)
     assert status == 200, payload
     assert len(json.loads(payload)["choices"]) == 2
+
+
+@pytest.mark.slow
+def test_structured_output_is_served(server: str) -> None:
+    body = {"model": "tiny", "prompt": "x =", "max_tokens": 12, "temperature": 0,
+            "structured_outputs": {"regex": "[a-z]+"}}
+    status, payload = post(server, "/v1/completions", body)
+    assert status == 200, payload
+    text = json.loads(payload)["choices"][0]["text"]
+    assert text.isalpha() and text.islower(), text
 
 
 @pytest.mark.slow

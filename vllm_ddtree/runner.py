@@ -14,8 +14,9 @@ The runner patch (patches/0005) calls in at four points; everything else is here
    DFlash's context handling work as for a chain; chain positions are restored;
 4. ``DDTreeProposer._sample_draft_tokens``: the drafter's logits become trees (``build_tree``).
 
-Rows with drafts but no stored tree (placeholders) are verified as chains, at most the
-drafter's depth deep; rows without drafts just take the target's token.
+Rows with drafts but no stored tree (placeholders, and structured-output requests, which
+draft the greedy chain) are verified as chains, at most the drafter's depth deep; rows
+without drafts just take the target's token.
 """
 
 from __future__ import annotations
@@ -64,9 +65,26 @@ class DDTreeProposer(DFlashProposer):
                                            logits.view(R, self.depth, -1), self.budget,
                                            self.spine)
         state = self.ddtree_state
-        state.store(trees, list(state.runner.input_batch.req_ids[:R]))
+        req_ids = list(state.runner.input_batch.req_ids[:R])
+        chains = [i for i, rid in enumerate(req_ids) if _structured(state.runner, rid)]
+        if chains:
+            trees = self._greedy_chains(trees, logits.view(R, self.depth, -1), chains)
+        state.store(trees, [rid if i not in chains else None for i, rid in enumerate(req_ids)])
         # The base class views this as [R, depth]; the tree tokens are returned by propose.
         return trees.depths.new_zeros(R * self.depth, dtype=torch.int64), None
+
+    def _greedy_chains(self, trees: DraftTrees, logits: torch.Tensor, rows: list[int]
+                       ) -> DraftTrees:
+        """Structured-output requests draft the drafter's greedy chain in their first nodes
+        and are verified as chains (no stored tree): vLLM's scheduler checks their drafts
+        against the grammar, and builds their grammar masks, as a chain in node order."""
+        from vllm.utils.torch_utils import async_tensor_h2d
+
+        rows_t = async_tensor_h2d(rows, logits.device, torch.int64)
+        depth = min(self.depth, self.budget)
+        token_ids = trees.token_ids.clone()
+        token_ids[rows_t, 1:depth + 1] = logits[rows_t, :depth].argmax(dim=-1)
+        return trees._replace(token_ids=token_ids)
 
     def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
@@ -97,9 +115,10 @@ class DDTreeState:
         # a tensor made from a list on a CUDA device would synchronize the stream.
         self._tree_of_row = runner._make_buffer(runner.max_num_reqs, dtype=torch.int64)
 
-    def store(self, trees: DraftTrees, req_ids: list[str]) -> None:
+    def store(self, trees: DraftTrees, req_ids: list[str | None]) -> None:
+        """Keep this step's trees; a row whose id is None is not a tree (a chain)."""
         self.proposed = trees
-        self.proposed_rows = {rid: i for i, rid in enumerate(req_ids)}
+        self.proposed_rows = {rid: i for i, rid in enumerate(req_ids) if rid is not None}
 
     def prepare_step(self, spec_decode_metadata: Any, num_tokens: int) -> None:
         """After the runner's _prepare_inputs: this step's trees, positions and masks."""
@@ -262,6 +281,12 @@ class DDTreeState:
                       if isinstance(c, torch.Tensor) and c.dim() == 4]
             if layers:
                 yield layers, runner.input_batch.block_table[gid].slot_mapping.gpu
+
+
+def _structured(runner: Any, req_id: str) -> bool:
+    state = runner.requests.get(req_id)
+    return state is not None and getattr(state.sampling_params, "structured_outputs",
+                                         None) is not None
 
 
 def _compact_cpu_attn_caches(layers: list, slot_mapping: torch.Tensor, qsl: torch.Tensor,

@@ -10,8 +10,9 @@ sampler applies, in its order (allowed_token_ids, bad_words, min_tokens, penalti
 for sampling, temperature and top-k / top-p), with the node's path below the root counted
 as output, as a chain position counts the drafts before it. Logprobs come from the
 target's raw logits at the node that chose each token (DDTreeState.verify); n > 1 reaches
-the engine as n separate requests. Parameters the tree path does not apply (structured
-output, thinking budget; min_p and logit_bias, which vLLM refuses for every speculative
+the engine as n separate requests; structured-output requests are verified as chains
+(DDTreeProposer._greedy_chains), with vLLM's grammar masks. Parameters the tree path does
+not apply (thinking budget; min_p and logit_bias, which vLLM refuses for every speculative
 method) or that force or score other tokens are refused per
 request with an error naming the parameter (an HTTP 400), while the server keeps serving.
 """
@@ -26,7 +27,7 @@ import torch
 # (parameter, value that means "unused"): anything else is refused on the tree path.
 UNSUPPORTED = (
     ("min_p", 0.0), ("logit_bias", None),  # vLLM refuses these for all speculative methods
-    ("structured_outputs", None), ("thinking_token_budget", None),
+    ("thinking_token_budget", None),
     ("logprob_token_ids", None), ("trace_decode_token_ids", None),
 )
 

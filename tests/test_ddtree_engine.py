@@ -293,6 +293,69 @@ def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed) ->
         assert stats["paths_off_the_index_line"] == 0, stats
 
 
+def random_lora(target: Path, out: Path, rank: int = 8) -> Path:
+    """A random PEFT LoRA adapter on the tiny target's q / v / o projections."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads((target / "config.json").read_text())
+    h, d = config["hidden_size"], config["head_dim"]
+    shapes = {"q_proj": (h, config["num_attention_heads"] * d),
+              "v_proj": (h, config["num_key_value_heads"] * d),
+              "o_proj": (config["num_attention_heads"] * d, h)}
+    gen = torch.Generator().manual_seed(1)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, (fan_in, fan_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.3
+            weights[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.3
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "target_modules": list(shapes), "bias": "none", "lora_dropout": 0.0,
+        "fan_in_fan_out": False, "base_model_name_or_path": str(target)}))
+    return out
+
+
+@pytest.mark.slow
+def test_lora_requests_are_lossless(tiny_models: Path, baseline, tmp_path: Path,
+                                    monkeypatch) -> None:
+    """Half the requests with a LoRA adapter (the target's output changes), trees accepted
+    deep and off the chain (the oracle drafter): output equals the target alone's with the
+    same adapter. Needs patch 0008 (the drafter embeds past the target's LoRA wrapper)."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    adapter = random_lora(tiny_models / "target", tmp_path / "lora")
+    loras = [LoRARequest("random", 1, str(adapter)) if i % 2 == 0 else None
+             for i in range(len(PROMPTS))]
+
+    def run(spec: dict | None):
+        llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
+                  seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec,
+                  enable_lora=True, max_lora_rank=8, max_loras=1)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params, lora_request=loras, use_tqdm=False)
+        return {o.prompt: list(o.outputs[0].token_ids) for o in outputs}, llm
+
+    plain, llm = run(None)
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
+    del llm
+    assert all(plain[p] != baseline[p][:MAX_TOKENS] for p in PROMPTS[0::2])  # the adapter acts
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(plain, prompt_ids, seed=6))
+    tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
+                     "tree_budget": 16})
+    assert tree == plain
+    stats = ddtree_state(llm).stats()
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+
+
 def chi_square_p_value(a: list[int], b: list[int]) -> float:
     """Two-sample chi-square test of homogeneity; bins with an expected count below 5 in
     either sample are pooled."""

@@ -131,12 +131,6 @@ def verify_vllm_config(vllm_config: Any) -> None:
     if model is not None and model.return_sampling_mask:
         raise ValueError("model_config.return_sampling_mask is not supported with method "
                          "'ddtree'")
-    if vllm_config.lora_config is not None:
-        # vLLM 0.32's DFlash drafter embeds its tokens through the target's LoRA-wrapped
-        # embedding with the target's token mapping: method dflash fails the same way.
-        raise ValueError("lora_config: method 'ddtree' cannot run its DFlash drafter with "
-                         "LoRA in vLLM 0.32 (neither can method 'dflash'); disable "
-                         "--enable-lora")
     if getattr(vllm_config, "watermark_config", None) is not None:
         raise ValueError("watermark_config: method 'ddtree' does not watermark at tree "
                          "nodes; leave it unset")

@@ -61,14 +61,14 @@ class DDTreeProposer(DFlashProposer):
                              ) -> tuple[torch.Tensor, None]:
         logits = self.draft_logits(hidden_states)  # [R * depth, V], request-major
         R = logits.shape[0] // self.depth
-        trees = ops.build_tree_from_logits(self._roots[:R].to(torch.int64),
-                                           logits.view(R, self.depth, -1), self.budget,
-                                           self.spine)
+        logits = logits.view(R, self.depth, -1)
+        trees = ops.build_tree_from_logits(self._roots[:R].to(torch.int64), logits,
+                                           self.budget, self.spine)
         state = self.ddtree_state
         req_ids = list(state.runner.input_batch.req_ids[:R])
         chains = [i for i, rid in enumerate(req_ids) if _structured(state.runner, rid)]
         if chains:
-            trees = self._greedy_chains(trees, logits.view(R, self.depth, -1), chains)
+            trees = self._greedy_chains(trees, logits, chains)
         state.store(trees, [rid if i not in chains else None for i, rid in enumerate(req_ids)])
         # The base class views this as [R, depth]; the tree tokens are returned by propose.
         return trees.depths.new_zeros(R * self.depth, dtype=torch.int64), None

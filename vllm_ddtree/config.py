@@ -117,20 +117,25 @@ def verify_vllm_config(vllm_config: Any) -> None:
                          f"needs tree_budget + 1 = {spec.tree_budget + 1} tokens, more than "
                          f"max_num_batched_tokens ({tokens})")
     model = vllm_config.model_config
-    if model is not None and model.uses_mrope:
+    if model is not None:
+        _verify_target_model(model)
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        raise ValueError("watermark_config: method 'ddtree' does not watermark at tree "
+                         "nodes; leave it unset")
+
+
+def _verify_target_model(model: Any) -> None:
+    if model.uses_mrope:
         raise ValueError("speculative_config.method 'ddtree': M-RoPE targets are not "
                          "supported (tree positions are written for 1-D RoPE)")
     # Engine-wide logits processing that tree verification does not apply: refused here,
     # not left to change the output silently.
-    if model is not None and model.logprobs_mode.startswith("processed"):
+    if model.logprobs_mode.startswith("processed"):
         raise ValueError(f"model_config.logprobs_mode is {model.logprobs_mode!r}: method "
                          f"'ddtree' returns raw_logprobs or raw_logits only")
-    if model is not None and model.logits_processors:
+    if model.logits_processors:
         raise ValueError("model_config.logits_processors: method 'ddtree' does not run "
                          "custom logits processors at tree nodes; leave them unset")
-    if model is not None and model.return_sampling_mask:
+    if model.return_sampling_mask:
         raise ValueError("model_config.return_sampling_mask is not supported with method "
                          "'ddtree'")
-    if getattr(vllm_config, "watermark_config", None) is not None:
-        raise ValueError("watermark_config: method 'ddtree' does not watermark at tree "
-                         "nodes; leave it unset")

@@ -69,7 +69,9 @@ class DDTreeProposer(DFlashProposer):
         chains = [i for i, rid in enumerate(req_ids) if _structured(state.runner, rid)]
         if chains:
             trees = self._greedy_chains(trees, logits, chains)
-        state.store(trees, [rid if i not in chains else None for i, rid in enumerate(req_ids)])
+            for i in chains:
+                req_ids[i] = None
+        state.store(trees, req_ids)
         # The base class views this as [R, depth]; the tree tokens are returned by propose.
         return trees.depths.new_zeros(R * self.depth, dtype=torch.int64), None
 
@@ -183,14 +185,14 @@ class DDTreeState:
         cu_sampled = spec_decode_metadata.cu_num_sampled_tokens.to(logits.device)
         sampling_metadata = runner.input_batch.sampling_metadata
         first_row = cu_sampled - (1 + step["num_drafts"])  # each request's root row
+        # Each logits row's request and node, on the device (no host data, so no sync).
         all_rows = torch.arange(logits.shape[0], device=logits.device)
         req = torch.searchsorted(cu_sampled.to(all_rows.dtype), all_rows, right=True)
         node = (all_rows - first_row[req]).clamp(max=self.num_nodes - 1)
         processed = process_node_logits(
-            logits, req, step["depths"][req, node], lambda pad: self._path_tokens(pad)[req, node],
-            len(first_row), sampling_metadata)
-        per_row = node_choices(processed, [1 + n for n in drafts], cu_sampled,
-                               sampling_metadata)
+            logits, req, lambda: step["depths"][req, node],
+            lambda: self._path_tokens()[req, node], len(first_row), sampling_metadata)
+        per_row = node_choices(processed, req, [1 + n for n in drafts], sampling_metadata)
         rows = first_row[:, None] + self.node
         choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
@@ -208,17 +210,16 @@ class DDTreeState:
         return SamplerOutput(sampled_token_ids=verdict.output_tokens.to(torch.int32),
                              logprobs_tensors=logprobs)
 
-    def _path_tokens(self, pad: int) -> torch.Tensor:
-        """[R, N, depth]: each node's path tokens below the root (itself included), padded
-        with ``pad``; found by following parents, at most ``depth`` hops."""
+    def _path_tokens(self) -> torch.Tensor:
+        """[R, N, depth]: each node's path tokens below the root (itself first), -1 padded;
+        found by following parents, at most ``depth`` hops."""
         token_ids, parents = self.step["token_ids"], self.step["parents"]
         cur = self.node.expand_as(parents)
         columns = []
         for _ in range(self.depth):
             on_path = cur > 0
             at = cur.clamp(min=0)
-            token = token_ids.gather(1, at)
-            columns.append(torch.where(on_path & (token >= 0), token, pad))
+            columns.append(torch.where(on_path, token_ids.gather(1, at), -1))
             cur = torch.where(on_path, parents.gather(1, at), 0)
         return torch.stack(columns, dim=-1)
 

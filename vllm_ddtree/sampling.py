@@ -46,21 +46,22 @@ def validate_request(params: Any) -> None:
 
 
 def _builtin(processors: list, kind: type) -> Any:
-    """vLLM's built-in logits processor of this kind, if it has requests this step."""
+    """vLLM's built-in logits processor of this kind, if the engine loaded it."""
     for p in processors:
         if isinstance(p, kind):
             return p
     return None
 
 
-def process_node_logits(logits: torch.Tensor, request: torch.Tensor, depth: torch.Tensor,
-                        path_tokens: Callable[[int], torch.Tensor], num_reqs: int,
+def process_node_logits(logits: torch.Tensor, request: torch.Tensor,
+                        node_depth: Callable[[], torch.Tensor],
+                        path_tokens: Callable[[], torch.Tensor], num_reqs: int,
                         sampling_metadata: Any) -> torch.Tensor:
     """What vLLM's sampler applies to logits before choosing, for one row per tree node:
-    ``request`` and ``depth`` are each row's request (batch row) and node depth, and
-    ``path_tokens(pad)`` each row's tokens below the root, the node's own first, then its
-    parent's, ... (``pad`` where none). Returns ``logits`` itself when nothing applies, else
-    a float32 copy."""
+    ``request`` is each row's request (batch row); ``node_depth()`` each row's node depth and
+    ``path_tokens()`` its tokens below the root, the node's own first, then its parent's, ...
+    (-1 where none), both asked for only when needed. Returns ``logits`` itself when nothing
+    applies, else a float32 copy."""
     from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 
     sm = sampling_metadata
@@ -70,7 +71,8 @@ def process_node_logits(logits: torch.Tensor, request: torch.Tensor, depth: torc
             and not sm.bad_words_token_ids):
         return logits
     processed = logits.to(torch.float32, copy=True)
-    path = path_tokens(-1)
+    depth = node_depth() if sm.bad_words_token_ids or min_tokens is not None else None
+    path = path_tokens() if sm.bad_words_token_ids or not sm.no_penalties else None
     if sm.allowed_token_ids_mask is not None:
         processed.masked_fill_(sm.allowed_token_ids_mask[request], float("-inf"))
     if sm.bad_words_token_ids:
@@ -150,19 +152,16 @@ def _apply_penalties(logits: torch.Tensor, request: torch.Tensor, path: torch.Te
                     sm.repetition_penalties[request])
 
 
-def node_choices(logits: torch.Tensor, num_sampled: list[int], cu_num_sampled: torch.Tensor,
+def node_choices(logits: torch.Tensor, request: torch.Tensor, num_sampled: list[int],
                  sampling_metadata: Any) -> torch.Tensor:
     """The target's token at every logits row (one row per tree node): argmax for greedy
-    requests, an independent sample from the processed distribution otherwise. Request r
-    owns ``num_sampled[r]`` rows; ``cu_num_sampled`` is their cumulative sum on the device."""
+    requests, an independent sample from the processed distribution otherwise. ``request``
+    is each row's request (on the device); request r owns ``num_sampled[r]`` rows."""
     greedy = logits.argmax(dim=-1)
     if sampling_metadata.all_greedy:
         return greedy
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    # Each row's request, computed on the device (no host data, so no sync).
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    request = torch.searchsorted(cu_num_sampled.to(rows.dtype), rows, right=True)
     sm = sampling_metadata
     temperature = sm.temperature[request]
     processed = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
@@ -173,10 +172,11 @@ def node_choices(logits: torch.Tensor, num_sampled: list[int], cu_num_sampled: t
     # Exponential race: argmax(p / q) with q ~ Exp(1) is a sample from p. Seeded requests
     # draw their rows from their own generator.
     noise = torch.empty_like(probs).exponential_()
-    starts = [0]
-    for n in num_sampled:
-        starts.append(starts[-1] + n)
-    for r, generator in sm.generators.items():
-        noise[starts[r]:starts[r + 1]].exponential_(generator=generator)
+    if sm.generators:
+        starts = [0]
+        for n in num_sampled:
+            starts.append(starts[-1] + n)
+        for r, generator in sm.generators.items():
+            noise[starts[r]:starts[r + 1]].exponential_(generator=generator)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)

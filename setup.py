@@ -4,7 +4,10 @@ C++ CPU sources always; CUDA sources too when torch is a CUDA build and nvcc is 
 FORCE_CUDA=1 / FORCE_CPU=1 override; TORCH_CUDA_ARCH_LIST defaults to Hopper and Blackwell.
 """
 
+import glob
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -12,7 +15,46 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).resolve().parent
 
 
+def _toolkit_root() -> str | None:
+    """The CUDA toolkit that nvcc belongs to, as nvcc itself reports it: the nvcc on PATH may
+    be a wrapper script, from which torch would guess the wrong root (and no libraries)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    dry = subprocess.run([nvcc, "--dryrun", "-c", "x.cu"], capture_output=True, text=True)
+    for line in (dry.stdout + dry.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return os.path.realpath(line.split("=", 1)[1].strip())
+    return None
+
+
+def _cudart_link_dir(cuda_home: str) -> list[str]:
+    """A folder to add to the link path when the toolkit has no unversioned libcudart.so
+    (pip's CUDA packages ship only libcudart.so.13), which torch links the extension with."""
+    dirs = [f"{cuda_home}/lib64", f"{cuda_home}/lib", *glob.glob(f"{cuda_home}/targets/*/lib")]
+    if any(Path(d, "libcudart.so").exists() for d in dirs):
+        return []
+    import torch
+
+    site = Path(torch.__file__).parent.parent
+    found = [f for d in dirs for f in sorted(glob.glob(f"{d}/libcudart.so.*"))]
+    found += sorted(glob.glob(f"{site}/nvidia/cu*/lib/libcudart.so.*"))  # torch's own
+    if not found:
+        return []
+    link_dir = HERE / "build" / "cudart-link"
+    link_dir.mkdir(parents=True, exist_ok=True)
+    link = link_dir / "libcudart.so"
+    link.unlink(missing_ok=True)
+    link.symlink_to(found[0])
+    return [str(link_dir)]
+
+
 def _extensions() -> tuple[list, dict]:
+    if os.environ.get("FORCE_CPU") != "1" and not (os.environ.get("CUDA_HOME")
+                                                   or os.environ.get("CUDA_PATH")):
+        root = _toolkit_root()  # before cpp_extension reads CUDA_HOME at import
+        if root:
+            os.environ["CUDA_HOME"] = root
     import torch
     from torch.utils.cpp_extension import (
         CUDA_HOME,
@@ -37,7 +79,7 @@ def _extensions() -> tuple[list, dict]:
         sources += sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc/cuda").glob("*.cu"))
         flags["nvcc"] = ["-O3", "-std=c++20"]
         ext = CUDAExtension("vllm_ddtree._C", sources, extra_compile_args=flags,
-                            extra_link_args=link)
+                            extra_link_args=link, library_dirs=_cudart_link_dir(CUDA_HOME))
     else:
         ext = CppExtension("vllm_ddtree._C", sources, extra_compile_args=flags,
                            extra_link_args=link)

@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Tree attention vs plain causal attention over the same query tokens, on a GPU: the Triton
-kernel of vllm_ddtree with each request's tree, and the same kernel with every request
-causal. Median of repeated CUDA-event timings, side by side, one run.
+kernel of vllm_ddtree with each request's tree; the same kernel with every request causal
+(the mask's cost); PyTorch's SDPA, causal over the same keys laid out contiguously (how the
+kernel compares with a tuned causal kernel); and the kernel's tile sizes swept. Median of
+repeated CUDA-event timings, side by side, one run.
 
     python3 scripts/bench_tree_attention.py [--repeats 50] [--json FILE]
+
+Before timing a case it checks that the kernel's causal output equals SDPA's. With
+--device cpu (Triton's interpreter, TRITON_INTERPRET=1) it runs tiny cases as a smoke test.
 """
 
 from __future__ import annotations
@@ -11,31 +16,41 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from vllm_ddtree import ops
-from vllm_ddtree.attention.triton_tree_attention import tree_attention
+from vllm_ddtree.attention.triton_tree_attention import BLOCK_M, TILE_N, tree_attention
 
 HEADS, KV_HEADS, HEAD_SIZE, PAGE = 32, 8, 128, 16  # Qwen3-8B's attention shape
+TILES = [(16, 16), (16, 64), (32, 32), (64, 32), (64, 64)]  # (block_m, tile_n), beside default
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int, dev: torch.device) -> float:
     for _ in range(3):
         fn()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if dev.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
     return statistics.median(times)
 
 
-def bench(budget: int, num_reqs: int, context: int, repeats: int) -> dict:
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+def bench(budget: int, num_reqs: int, context: int, repeats: int, dev: torch.device) -> dict:
+    dtype = torch.bfloat16
     q_len, seq_len = budget + 1, context + budget + 1
     blocks_per_req = -(-seq_len // PAGE)
     key_cache = torch.randn(num_reqs * blocks_per_req, PAGE, KV_HEADS, HEAD_SIZE, device=dev,
@@ -53,32 +68,63 @@ def bench(budget: int, num_reqs: int, context: int, repeats: int) -> dict:
     tree_index = torch.arange(num_reqs, device=dev, dtype=torch.int32)
     causal_index = torch.full_like(tree_index, -1)
 
-    def run(index):
+    def run(index, tiles=(BLOCK_M, TILE_N)):
         return lambda: tree_attention(query, key_cache, value_cache, out, block_table,
                                       seq_lens, qsl, index, trees.ancestor_mask,
-                                      HEAD_SIZE ** -0.5)
+                                      HEAD_SIZE ** -0.5, block_m=tiles[0], tile_n=tiles[1])
 
-    tree_ms, causal_ms = median_ms(run(tree_index), repeats), median_ms(run(causal_index),
-                                                                        repeats)
+    # The same keys and values, contiguous per request: [reqs, kv_heads, seq_len, head].
+    slots = (block_table.long()[:, :, None] * PAGE + torch.arange(PAGE, device=dev)).flatten(1)
+    k = key_cache.flatten(0, 1)[slots[:, :seq_len]].transpose(1, 2).contiguous()
+    v = value_cache.flatten(0, 1)[slots[:, :seq_len]].transpose(1, 2).contiguous()
+    q = query.view(num_reqs, q_len, HEADS, HEAD_SIZE).transpose(1, 2)
+    causal = causal_lower_right(q_len, seq_len)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+
+    # Like is compared with like: the kernel, all causal, computes what SDPA computes.
+    run(causal_index)()
+    err = (out.view(num_reqs, q_len, HEADS, HEAD_SIZE).transpose(1, 2).float()
+           - sdpa().float()).abs().max().item()
+    if err > 3e-2:
+        raise SystemExit(f"bench_tree_attention: kernel (causal) != SDPA, max abs error {err}")
+    tree_ms = median_ms(run(tree_index), repeats, dev)
+    causal_ms = median_ms(run(causal_index), repeats, dev)
+    swept = {t: median_ms(run(tree_index, t), repeats, dev) for t in TILES}
+    best = min(swept, key=swept.get)
     return {"budget": budget, "reqs": num_reqs, "context": context, "tree_ms": tree_ms,
-            "causal_ms": causal_ms, "overhead": tree_ms / causal_ms - 1}
+            "causal_ms": causal_ms, "overhead": tree_ms / causal_ms - 1,
+            "sdpa_causal_ms": median_ms(sdpa, repeats, dev), "sdpa_max_abs_diff": err,
+            "tiles_ms": {f"{m}x{n}": ms for (m, n), ms in swept.items()},
+            "best_tiles": f"{best[0]}x{best[1]}", "best_tiles_ms": swept[best]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--reqs", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = [bench(b, r, c, args.repeats) for c in (1024, 8192) for r in (1, 8, 32)
-            for b in (16, 64, 256)]
-    print(f"tree vs causal attention ({torch.cuda.get_device_name()}, bf16, {HEADS} heads, "
-          f"{KV_HEADS} KV heads, head {HEAD_SIZE}, page {PAGE}; median ms)\n")
-    print("| context | requests | budget | tree | causal | tree overhead |")
-    print("|---|---|---|---|---|---|")
+    dev = torch.device(args.device)
+    rows = [bench(b, r, c, args.repeats, dev) for c in args.contexts for r in args.reqs
+            for b in args.budgets]
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU, Triton interpreter"
+    print(f"tree vs causal attention ({name}, bf16, {HEADS} heads, "
+          f"{KV_HEADS} KV heads, head {HEAD_SIZE}, page {PAGE}; median ms; kernel tiles "
+          f"{BLOCK_M}x{TILE_N} = query tokens x keys per step)\n")
+    print("| context | requests | budget | tree | causal, same kernel | tree overhead "
+          "| SDPA causal | tree / SDPA | best tiles | tree, best tiles |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['reqs']} | {r['budget']} | {r['tree_ms']:.3f} | "
-              f"{r['causal_ms']:.3f} | {100 * r['overhead']:+.1f}% |")
+              f"{r['causal_ms']:.3f} | {100 * r['overhead']:+.1f}% | "
+              f"{r['sdpa_causal_ms']:.3f} | {r['tree_ms'] / r['sdpa_causal_ms']:.2f}x | "
+              f"{r['best_tiles']} | {r['best_tiles_ms']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

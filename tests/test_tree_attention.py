@@ -5,6 +5,11 @@ shapes, contexts across block boundaries, batches mixing tree, prefill and decod
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +86,47 @@ def test_rejects_heads_not_a_multiple_of_kv_heads() -> None:
     batch = make_batch(0, ["chain"], 4, [3], 4, 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="argument 'query' has 3 heads"):
         run("triton", batch.__class__(**{**batch.__dict__, "query": batch.query[:, :3]}))
+
+
+@pytest.mark.parametrize("block_m, tile_n, page", [(16, 16, 32), (32, 64, 16), (64, 32, 32)])
+def test_kernel_tile_sizes(block_m, tile_n, page) -> None:
+    # Key tiles smaller than, equal to and spanning several pages; query tiles of any size.
+    batch = make_batch(5, ["decode", "star", "prefill", "deep", "bushy"], 40, [1, 16, 0, 95, 64],
+                       8, 2, 64, page, torch.float32)
+    out = torch.full_like(batch.query, float("nan"))
+    tree_attention(batch.query, batch.key_cache, batch.value_cache, out, batch.block_table,
+                   batch.seq_lens, batch.query_start_loc, batch.tree_index,
+                   batch.ancestor_mask, batch.scale, block_m=block_m, tile_n=tile_n)
+    assert (out.double() - dense_reference(batch)).abs().max() <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_cache_of_over_2_31_elements(impl) -> None:
+    # A GPU's KV cache easily holds more than 2**31 elements: a block's offset must not wrap
+    # around in int32 (it did: a segfault here, an illegal access on a GPU). The cache is
+    # allocated lazily: only the blocks written below take memory.
+    batch = make_batch(0, ["bushy", "decode"], 9, [20, 5], 2, 1, 64, 16, torch.bfloat16)
+    skip = 2**31 // batch.key_cache[0].numel() + 7
+    for name in ("key_cache", "value_cache"):
+        small = getattr(batch, name)
+        big = torch.empty(skip + small.shape[0], *small.shape[1:], dtype=small.dtype)
+        big[skip:] = small
+        setattr(batch, name, big)
+    batch.block_table += skip
+    err = (run(impl, batch).double() - dense_reference(batch)).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16], f"max abs error {err}"
+
+
+def test_bench_tree_attention_runs(tmp_path) -> None:
+    # The GPU benchmark's code path, tiny, on the interpreter: a device run must not be the
+    # first to execute it. Its own check (kernel, all causal, == SDPA) runs first.
+    script = Path(__file__).resolve().parent.parent / "scripts/bench_tree_attention.py"
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--contexts", "20", "--reqs", "2",
+         "--budgets", "4", "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["sdpa_max_abs_diff"] <= TOLERANCE[torch.bfloat16]
+    assert row["tree_ms"] > 0 and row["sdpa_causal_ms"] > 0 and len(row["tiles_ms"]) == 5

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # query tokens per program
+TILE_N = 32  # keys per loop step, across page boundaries (vLLM's Triton prefill tile)
 # Triton's CPU interpreter computes bf16/fp16 tl.dot wrongly (seen with Triton 3.9): there the
 # operands go to fp32 first. On a GPU the dots run in the cache's dtype.
 _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
@@ -36,7 +37,7 @@ def _tree_attention_kernel(
     stride_bt, stride_mt, stride_mn,
     scale, num_reqs, head_size,
     QUERIES_PER_KV: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    PAGE: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    PAGE: tl.constexpr, TILE_N: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -69,16 +70,18 @@ def _tree_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
         kv_end = ctx + tl.minimum(q_len, (tile + 1) * BLOCK_M)
         mask_rows = ancestor_mask + tl.maximum(tree, 0) * stride_mt + offs_m * stride_mn
-        for page_start in range(0, kv_end, PAGE):
-            offs_n = page_start + tl.arange(0, PAGE)
+        for tile_start in range(0, kv_end, TILE_N):
+            offs_n = tile_start + tl.arange(0, TILE_N)
             n_ok = offs_n < kv_end
-            block = tl.load(block_table + r * stride_bt + page_start // PAGE)
-            k = tl.load(K + block * stride_kb + (offs_n % PAGE)[:, None] * stride_kn
-                        + kv_head * stride_kh + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(V + block * stride_vb + (offs_n % PAGE)[:, None] * stride_vn
-                        + kv_head * stride_vh + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            # A tile may span pages. Offsets in int64: a large cache has over 2**31 elements.
+            block = tl.load(block_table + r * stride_bt + offs_n // PAGE, mask=n_ok,
+                            other=0).to(tl.int64)
+            slot = (offs_n % PAGE)[:, None]
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + block[:, None] * stride_kb + slot * stride_kn + kv_head * stride_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + block[:, None] * stride_vb + slot * stride_vn + kv_head * stride_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST_DOTS:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -87,7 +90,7 @@ def _tree_attention_kernel(
             new = offs_n - ctx  # index among this step's tokens (negative: context)
             in_new = (new >= 0)[None, :] & row_ok[:, None] & n_ok[None, :]
             causal = new[None, :] <= offs_m[:, None]
-            is_tree = (tl.zeros([BLOCK_M, PAGE], tl.int32) + tree) >= 0
+            is_tree = (tl.zeros([BLOCK_M, TILE_N], tl.int32) + tree) >= 0
             word = tl.load(mask_rows[:, None] + (tl.maximum(new, 0) // 32)[None, :],
                            mask=in_new & is_tree, other=0)
             in_tree = ((word >> (tl.maximum(new, 0) % 32)[None, :]) & 1) != 0
@@ -119,8 +122,11 @@ def tree_attention(
     tree_index: torch.Tensor,  # int32 [num_reqs]: row of ancestor_mask, -1 without a tree
     ancestor_mask: torch.Tensor,  # int32 [num_trees, num_nodes, words] (vllm_ddtree/tree.py)
     scale: float,
+    block_m: int = BLOCK_M,
+    tile_n: int = TILE_N,
 ) -> torch.Tensor:
-    """Causal attention for plain requests and tree attention for tree requests, one launch."""
+    """Causal attention for plain requests and tree attention for tree requests, one launch.
+    block_m and tile_n (powers of 2, at least 16) are the kernel's tile sizes."""
     num_tokens, num_heads, head_size = query.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -131,7 +137,7 @@ def tree_attention(
         raise ValueError("tree_attention: head_size must be the innermost, contiguous dim")
     if ancestor_mask.numel() == 0:  # keep a valid pointer for the kernel
         ancestor_mask = ancestor_mask.new_zeros(1, 1, 1)
-    grid = (triton.cdiv(num_tokens, BLOCK_M) + num_reqs, num_heads)
+    grid = (triton.cdiv(num_tokens, block_m) + num_reqs, num_heads)
     _tree_attention_kernel[grid](
         query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
         tree_index, ancestor_mask,
@@ -141,6 +147,6 @@ def tree_attention(
         block_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
         scale, num_reqs, head_size,
         QUERIES_PER_KV=num_heads // num_kv_heads, HEAD=triton.next_power_of_2(head_size),
-        BLOCK_M=BLOCK_M, PAGE=page, UPCAST_DOTS=_UPCAST_DOTS,
+        BLOCK_M=block_m, PAGE=page, TILE_N=tile_n, UPCAST_DOTS=_UPCAST_DOTS,
     )
     return out

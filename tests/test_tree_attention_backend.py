@@ -1,7 +1,8 @@
 """The TREE_ATTN backend inside vLLM on the CPU: `--attention-backend TREE_ATTN` loads
 vllm_ddtree's CPU backend and, with no trees, generates exactly what CPU_ATTN generates;
 in a batch mixing tree and plain requests, the backend's metadata builder and forward (CPU_ATTN
-runs for plain requests, SDPA for tree requests) match the dense reference."""
+runs for plain requests, SDPA for tree requests) match the dense reference; and so do the
+CUDA backend's metadata builder and forward, run on CPU tensors under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -120,3 +121,51 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monke
     impl.forward(layer, batch.query, None, None, kv_cache, metadata, out)
     err = (out.double() - dense_reference(batch)).abs().max().item()
     assert err <= (1e-4 if dtype == torch.float32 else 3e-2), err
+
+
+@pytest.mark.parametrize("kinds, contexts", [
+    (["prefill", "bushy", "decode", "chain"], [40, 7, 90, 0]),
+    (["star", "deep"], [31, 64]),
+])
+def test_cuda_backend_glue_on_the_interpreter(kinds, contexts) -> None:
+    # The CUDA backend's own code (metadata builder, forward over the Triton backend's cache
+    # layout) has no GPU to run on here: run it on CPU tensors, the kernel under Triton's
+    # interpreter, against the dense reference. (vLLM turns its own Triton kernels off on
+    # a CPU-only machine, so the cache is written here, in the layout the Triton backend
+    # documents and writes: [blocks, kv_heads, block_size, 2 * head_size], K then V.)
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_ddtree.attention import tree_batch
+    from vllm_ddtree.attention.backend import TreeAttentionImpl, TreeAttentionMetadataBuilder
+
+    dtype = torch.float32
+    batch = make_batch(3, kinds, 12, contexts, 8, 2, 64, 16, dtype)
+    num_reqs, kv_heads, head_size = len(kinds), *batch.key_cache.shape[2:]
+    impl = TreeAttentionImpl(8, head_size, batch.scale, kv_heads, None, None, "auto")
+    kv_cache = torch.cat([batch.key_cache, batch.value_cache], dim=-1).transpose(1, 2)
+    builder = object.__new__(TreeAttentionMetadataBuilder)
+    builder.vllm_config = SimpleNamespace(instance_id="test-cuda-backend-glue")
+    builder._no_trees = tree_batch.TreeBatch(16, 0, "cpu")
+    common = CommonAttentionMetadata(
+        query_start_loc=batch.query_start_loc, query_start_loc_cpu=batch.query_start_loc,
+        seq_lens=batch.seq_lens, num_reqs=num_reqs, num_actual_tokens=batch.query.shape[0],
+        max_query_len=int(batch.query_start_loc.diff().max()),
+        max_seq_len=int(batch.seq_lens.max()), block_table_tensor=batch.block_table,
+        slot_mapping=torch.zeros(batch.query.shape[0], dtype=torch.int64))
+    trees = tree_batch.TreeBatch(16, 11, "cpu")
+    trees.set_trees(batch.tree_index, batch.ancestor_mask)
+    tree_batch.install(builder.vllm_config, trees)
+    try:
+        metadata = builder.build(0, common)
+    finally:
+        tree_batch.install(builder.vllm_config, None)
+    # Padding rows past the batch's tokens are left alone.
+    out = torch.full((batch.query.shape[0] + 3, *batch.query.shape[1:]), float("nan"))
+    query = torch.cat([batch.query, torch.randn(3, *batch.query.shape[1:])])
+    impl.forward(None, query, None, None, kv_cache, metadata, out)
+    err = (out[:-3].double() - dense_reference(batch)).abs().max().item()
+    assert err <= 1e-4, err
+    assert out[-3:].isnan().all()
+    # Without installed trees every request runs causal: a plain batch's attention.
+    plain = builder.build(0, common)
+    assert (plain.tree_index == -1).all()

@@ -88,11 +88,16 @@ def test_rejects_heads_not_a_multiple_of_kv_heads() -> None:
         run("triton", batch.__class__(**{**batch.__dict__, "query": batch.query[:, :3]}))
 
 
-@pytest.mark.parametrize("block_m, tile_n, page", [(16, 16, 32), (32, 64, 16), (64, 32, 32)])
-def test_kernel_tile_sizes(block_m, tile_n, page) -> None:
-    # Key tiles smaller than, equal to and spanning several pages; query tiles of any size.
+@pytest.mark.parametrize("block_m, tile_n, page, heads", [
+    (16, 16, 32, (8, 2)), (32, 64, 16, (8, 2)), (64, 32, 32, (8, 2)),
+    (16, 32, 16, (6, 2)),  # 3 query heads per KV head: 5 tokens x 3 heads fill 15 of 16 rows
+    (16, 32, 16, (32, 1)),  # 32 query heads per KV head: the tile grows to 32 rows
+])
+def test_kernel_tile_sizes(block_m, tile_n, page, heads) -> None:
+    # Key tiles smaller than, equal to and spanning several pages; query tiles of any size,
+    # packing the query heads of one KV head however many there are.
     batch = make_batch(5, ["decode", "star", "prefill", "deep", "bushy"], 40, [1, 16, 0, 95, 64],
-                       8, 2, 64, page, torch.float32)
+                       heads[0], heads[1], 64, page, torch.float32)
     out = torch.full_like(batch.query, float("nan"))
     tree_attention(batch.query, batch.key_cache, batch.value_cache, out, batch.block_table,
                    batch.seq_lens, batch.query_start_loc, batch.tree_index,

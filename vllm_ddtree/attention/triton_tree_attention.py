@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # query tokens per program
+BLOCK_M = 16  # rows (query token, query head) per program
 TILE_N = 32  # keys per loop step, across page boundaries (vLLM's Triton prefill tile)
 # Triton's CPU interpreter computes bf16/fp16 tl.dot wrongly (seen with Triton 3.9): there the
 # operands go to fp32 first. On a GPU the dots run in the cache's dtype.
@@ -37,16 +37,19 @@ def _tree_attention_kernel(
     stride_bt, stride_mt, stride_mn,
     scale, num_reqs, head_size,
     QUERIES_PER_KV: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    PAGE: tl.constexpr, TILE_N: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
 ):
+    # A program takes BLOCK_Q query tokens of one request and the QUERIES_PER_KV query heads
+    # that share one KV head: BLOCK_M rows (query token, head), each key tile read once.
     pid = tl.program_id(0)
-    head = tl.program_id(1)
-    # Request of this program: the last r with qsl[r] // BLOCK_M + r <= pid (each request's
+    kv_head = tl.program_id(1)
+    # Request of this program: the last r with qsl[r] // BLOCK_Q + r <= pid (each request's
     # query tiles start at its own tile boundary).
     lo, hi = 0, num_reqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        start = tl.load(query_start_loc + mid) // BLOCK_M + mid
+        start = tl.load(query_start_loc + mid) // BLOCK_Q + mid
         if start <= pid:
             lo = mid
         else:
@@ -54,21 +57,22 @@ def _tree_attention_kernel(
     r = lo
     q_start = tl.load(query_start_loc + r)
     q_len = tl.load(query_start_loc + r + 1) - q_start
-    tile = pid - (q_start // BLOCK_M + r)
-    if tile * BLOCK_M < q_len:
+    tile = pid - (q_start // BLOCK_Q + r)
+    if tile * BLOCK_Q < q_len:
         ctx = tl.load(seq_lens + r) - q_len
         tree = tl.load(tree_index + r)
-        kv_head = head // QUERIES_PER_KV
-        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.arange(0, BLOCK_M)
+        offs_m = tile * BLOCK_Q + rows // QUERIES_PER_KV  # query token of each row
+        head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
         offs_d = tl.arange(0, HEAD)
-        row_ok = offs_m < q_len
+        row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (offs_m < q_len)
         d_ok = offs_d < head_size
-        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh
                     + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
-        kv_end = ctx + tl.minimum(q_len, (tile + 1) * BLOCK_M)
+        kv_end = ctx + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
         mask_rows = ancestor_mask + tl.maximum(tree, 0) * stride_mt + offs_m * stride_mn
         for tile_start in range(0, kv_end, TILE_N):
             offs_n = tile_start + tl.arange(0, TILE_N)
@@ -106,7 +110,7 @@ def _tree_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], out.to(Out.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
 
@@ -126,7 +130,8 @@ def tree_attention(
     tile_n: int = TILE_N,
 ) -> torch.Tensor:
     """Causal attention for plain requests and tree attention for tree requests, one launch.
-    block_m and tile_n (powers of 2, at least 16) are the kernel's tile sizes."""
+    Tile sizes (powers of 2, at least 16): block_m rows of (query token, query head) sharing
+    a KV head (at least that many heads), tile_n keys per step."""
     num_tokens, num_heads, head_size = query.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -137,7 +142,10 @@ def tree_attention(
         raise ValueError("tree_attention: head_size must be the innermost, contiguous dim")
     if ancestor_mask.numel() == 0:  # keep a valid pointer for the kernel
         ancestor_mask = ancestor_mask.new_zeros(1, 1, 1)
-    grid = (triton.cdiv(num_tokens, block_m) + num_reqs, num_heads)
+    queries_per_kv = num_heads // num_kv_heads
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
+    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)
     _tree_attention_kernel[grid](
         query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
         tree_index, ancestor_mask,
@@ -146,7 +154,7 @@ def tree_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
         scale, num_reqs, head_size,
-        QUERIES_PER_KV=num_heads // num_kv_heads, HEAD=triton.next_power_of_2(head_size),
-        BLOCK_M=block_m, PAGE=page, TILE_N=tile_n, UPCAST_DOTS=_UPCAST_DOTS,
+        QUERIES_PER_KV=queries_per_kv, HEAD=triton.next_power_of_2(head_size),
+        BLOCK_M=block_m, BLOCK_Q=block_q, PAGE=page, TILE_N=tile_n, UPCAST_DOTS=_UPCAST_DOTS,
     )
     return out

@@ -1,5 +1,6 @@
 """The compiled Triton tree-attention kernel on the GPU (bf16 dots on tensor cores, no
-interpreter) against the dense reference, on the CPU suite's cases."""
+interpreter) against the dense reference: the CPU suite's cases, tile sizes, a cache of over
+2**31 elements, and replays of one captured CUDA graph on new trees and contexts."""
 
 from __future__ import annotations
 
@@ -60,3 +61,61 @@ def test_kernel_on_a_cache_of_over_2_31_elements() -> None:
                    batch.tree_index.cuda(), batch.ancestor_mask.cuda(), batch.scale)
     err = (out.cpu().double() - dense_reference(batch)).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16], err
+
+
+def replay_batches(batches, device: str, capture: bool) -> list[float]:
+    """Persistent buffers sized for every batch (same tokens and requests, any contexts);
+    the kernel captured once on the first batch (capture=True) then replayed on each batch
+    copied into the buffers. Returns each batch's max abs error against the reference."""
+    blocks = max(b.key_cache.shape[0] for b in batches)
+    cols = max(b.block_table.shape[1] for b in batches)
+    key_cache = torch.zeros(blocks, *batches[0].key_cache.shape[1:],
+                            dtype=batches[0].key_cache.dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    block_table = torch.zeros(len(batches[0].seq_lens), cols, dtype=torch.int32, device=device)
+    rest = {name: torch.zeros_like(getattr(batches[0], name), device=device)
+            for name in ("query", "seq_lens", "query_start_loc", "tree_index", "ancestor_mask")}
+    out = torch.empty_like(rest["query"])
+
+    def load(batch) -> None:
+        key_cache[:batch.key_cache.shape[0]].copy_(batch.key_cache)
+        value_cache[:batch.value_cache.shape[0]].copy_(batch.value_cache)
+        block_table.zero_()
+        block_table[:, :batch.block_table.shape[1]].copy_(batch.block_table)
+        for name, buf in rest.items():
+            buf.copy_(getattr(batch, name))
+
+    def call() -> None:
+        tree_attention(rest["query"], key_cache, value_cache, out, block_table,
+                       rest["seq_lens"], rest["query_start_loc"], rest["tree_index"],
+                       rest["ancestor_mask"], batches[0].scale)
+
+    load(batches[0])
+    call()  # compiles the kernel outside the graph
+    if capture:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+    errors = []
+    for batch in batches:
+        load(batch)
+        out.fill_(float("nan"))
+        if capture:
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            call()
+        errors.append((out.cpu().double() - dense_reference(batch)).abs().max().item())
+    return errors
+
+
+def test_kernel_replays_in_a_cuda_graph_with_new_trees_and_contexts() -> None:
+    # What a captured uniform verify step needs: one graph, new trees, contexts and block
+    # tables each step, read from the same buffers, no host sync inside.
+    batches = [make_batch(seed, kinds, 17, contexts, 32, 8, 128, 16, torch.bfloat16)
+               for seed, kinds, contexts in [
+                   (1, ["bushy", "star", "deep"], [40, 3, 70]),
+                   (2, ["chain", "bushy", "star"], [90, 33, 0]),
+                   (3, ["deep", "deep", "bushy"], [5, 128, 17])]]
+    errors = replay_batches(batches, "cuda", capture=True)
+    assert max(errors) <= TOLERANCE[torch.bfloat16], errors

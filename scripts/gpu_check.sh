@@ -12,6 +12,19 @@ mkdir -p "$OUT"
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
+# check NAME LOG CMD...: runs CMD, its output shown and appended to LOG. A failure is
+# recorded and the run goes on, so that one device run brings back every result it can;
+# the summary at the end names the failures, and the exit status is their number.
+failed=()
+check() {
+  local name=$1 log=$2 rc
+  shift 2
+  set +e
+  "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  [ "$rc" -eq 0 ] || { failed+=("$name (exit $rc)"); echo "gpu_check: FAILED: $name"; }
+}
 
 step "device"
 nvidia-smi -L
@@ -24,21 +37,21 @@ FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch} \
 "$PY" -c 'import torch, vllm_ddtree.ops; print(torch.ops.vllm_ddtree.build_tree.default)'
 
 step "CUDA tests"
-set -o pipefail
-"$PY" -m pytest -q -p no:cacheprovider tests/cuda 2>&1 | tee "$OUT/cuda_tests.log"
+check "CUDA tests" "$OUT/cuda_tests.log" "$PY" -m pytest -q -p no:cacheprovider tests/cuda
 
 step "tree op timings (CUDA events, median)"
 for reqs in 1 8 32; do
-  "$PY" scripts/bench_tree_ops.py --device cuda --reqs "$reqs" \
-    --json "$OUT/bench_tree_ops_cuda_r$reqs.json" | tee -a "$OUT/bench_tree_ops_cuda.md"
+  check "tree op timings, $reqs requests" "$OUT/bench_tree_ops_cuda.md" \
+    "$PY" scripts/bench_tree_ops.py --device cuda --reqs "$reqs" \
+    --json "$OUT/bench_tree_ops_cuda_r$reqs.json"
 done
 step "tree attention vs causal (CUDA events, median)"
-"$PY" scripts/bench_tree_attention.py --json "$OUT/bench_tree_attention.json" \
-  | tee "$OUT/bench_tree_attention.md"
+check "tree attention benchmark" "$OUT/bench_tree_attention.md" \
+  "$PY" scripts/bench_tree_attention.py --json "$OUT/bench_tree_attention.json"
 step "ddtree end to end (needs vLLM in this environment)"
 if "$PY" -c 'import vllm' 2>/dev/null; then
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_engine.py 2>&1 \
-    | tee "$OUT/ddtree_engine.log"
+  check "ddtree end to end" "$OUT/ddtree_engine.log" \
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_engine.py
 else
   echo "vLLM is not installed here: the ddtree end-to-end tests did not run" \
     | tee "$OUT/ddtree_engine.log"
@@ -52,23 +65,31 @@ if ! "$PY" -c 'import vllm' 2>/dev/null; then
   echo "vLLM is not installed here: the acceptance benchmark did not run" \
     | tee "$OUT/bench_acceptance.md"
 elif [ -n "${TARGET_MODEL:-}" ] && [ -n "${DRAFTER_MODEL:-}" ]; then
-  "$PY" scripts/bench_acceptance.py --target "$TARGET_MODEL" --drafter "$DRAFTER_MODEL" \
+  check "acceptance benchmark" "$OUT/bench_acceptance.md" \
+    "$PY" scripts/bench_acceptance.py --target "$TARGET_MODEL" --drafter "$DRAFTER_MODEL" \
     ${PROMPTS:+--prompts "$PROMPTS"} --dtype bfloat16 --cuda-graphs --concurrency 1 8 32 \
-    --budgets 16 64 256 --repeats 3 --out "$OUT/bench_acceptance" 2>&1 \
-    | tee "$OUT/bench_acceptance.md"
+    --budgets 16 64 256 --repeats 3 --out "$OUT/bench_acceptance"
 elif [ -f "$PAIR/heldout_prompts.json" ]; then
-  "$PY" scripts/bench_acceptance.py --pair "$PAIR" --cuda-graphs --concurrency 1 8 32 \
-    --repeats 3 --out "$OUT/bench_acceptance" 2>&1 | tee "$OUT/bench_acceptance.md"
+  check "acceptance benchmark" "$OUT/bench_acceptance.md" \
+    "$PY" scripts/bench_acceptance.py --pair "$PAIR" --cuda-graphs --concurrency 1 8 32 \
+    --repeats 3 --out "$OUT/bench_acceptance"
 else
   echo "no checkpoints given and no tiny pair at $PAIR: the acceptance benchmark did not run" \
     | tee "$OUT/bench_acceptance.md"
 fi
 step "ddtree with tensor parallelism 2 (needs two GPUs and vLLM)"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && "$PY" -c 'import vllm' 2>/dev/null; then
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_parallel.py 2>&1 \
-    | tee "$OUT/ddtree_tp2.log"
+  check "ddtree TP=2" "$OUT/ddtree_tp2.log" \
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_parallel.py
 else
   echo "fewer than two GPUs, or no vLLM here: the TP=2 run did not happen" \
     | tee "$OUT/ddtree_tp2.log"
 fi
-echo; echo "gpu_check: done; results in $OUT"
+echo
+if [ ${#failed[@]} -eq 0 ]; then
+  echo "gpu_check: done, every step passed; results in $OUT"
+else
+  printf 'gpu_check: FAILED: %s\n' "${failed[@]}"
+  echo "gpu_check: results in $OUT"
+fi
+exit ${#failed[@]}

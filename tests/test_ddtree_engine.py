@@ -446,3 +446,57 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
     assert ddtree_state(llm).stats()["longest_accepted"] >= 3
+
+
+# Code that runs inside the decode step on a GPU; the CPU attention path is not among it.
+DEVICE_STEP_FILES = ("runner.py", "sampling.py", "ops.py", "tree.py", "attention/backend.py",
+                     "attention/tree_batch.py", "attention/triton_tree_attention.py")
+
+
+def _bool_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+
+
+@pytest.mark.slow
+def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch) -> None:
+    # A host sync (.item(), .tolist(), .cpu(), a tensor's truth value, a boolean-mask index:
+    # a data-dependent shape) inside the step stalls the GPU and breaks CUDA-graph capture.
+    # Every such call made from the step's own files, greedy and sampled requests with
+    # logprobs and every supported logits processor, is recorded: there must be none.
+    import sys
+
+    from vllm import LLM, SamplingParams
+
+    pkg = str(Path(__file__).resolve().parent.parent / "vllm_ddtree") + "/"
+    calls = []
+
+    def record(name: str, original, check=None):
+        def wrapper(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            where = caller.co_filename.removeprefix(pkg)
+            if where in DEVICE_STEP_FILES and (check is None or check(*args)):
+                calls.append(f"{name} in {where}:{caller.co_name}")
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16}
+    llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512, seed=0,
+              dtype="float32", max_num_seqs=8, speculative_config=spec)
+    for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__",
+                 "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, record(name, getattr(torch.Tensor, name)))
+    for name in ("__getitem__", "__setitem__"):
+        monkeypatch.setattr(torch.Tensor, name, record(f"boolean-mask {name}",
+                                                       getattr(torch.Tensor, name),
+                                                       lambda index, *_: _bool_index(index)))
+    sampled = dict(temperature=0.8, seed=1, logprobs=2, presence_penalty=0.5,
+                   frequency_penalty=0.3, repetition_penalty=1.2)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, **kw) for kw in [
+        dict(temperature=0.0), sampled, dict(temperature=0.0, min_tokens=6, stop_token_ids=[5]),
+        dict(temperature=0.0, allowed_token_ids=list(range(0, 1024, 3))),
+        dict(temperature=0.0, bad_words=["the"], prompt_logprobs=1)]]
+    llm.generate(PROMPTS[:5], params, use_tqdm=False)
+    assert calls == [], sorted(set(calls))
+    ddtree_state(llm).stats()  # the metrics read-out syncs, outside the step: it is seen
+    assert calls == ["tolist in runner.py:stats"]

@@ -265,9 +265,11 @@ class DDTreeState:
             self._kv_groups = list(self._target_kv_caches())
         for caches, slot_mapping in self._kv_groups:
             if caches[0][1].device.type == "cpu":
-                _compact_cpu_attn_caches(caches, slot_mapping, qsl, verdict)
+                from vllm_ddtree.attention.cpu_backend import compact_cpu_attn_caches
+
+                compact_cpu_attn_caches(caches, slot_mapping, qsl, verdict)
             else:
-                ops.compact_tree([c for _, c in caches], torch.empty(0), slot_mapping, qsl,
+                ops.compact_tree([c for _, c in caches], qsl.new_empty(0), slot_mapping, qsl,
                                  verdict)
 
     def _target_kv_caches(self):
@@ -288,32 +290,6 @@ def _structured(runner: Any, req_id: str) -> bool:
     state = runner.requests.get(req_id)
     return state is not None and getattr(state.sampling_params, "structured_outputs",
                                          None) is not None
-
-
-def _compact_cpu_attn_caches(layers: list, slot_mapping: torch.Tensor, qsl: torch.Tensor,
-                             verdict: ops.Verdict) -> None:
-    """compact_tree for CPU_ATTN's caches, whose keys are packed per ISA inside a block."""
-    from vllm_ddtree.attention.cpu_backend import block_layout
-
-    step = torch.arange(verdict.accepted.shape[1], device=qsl.device)
-    moves = (step < verdict.num_accepted[:, None]) & (verdict.accepted != step + 1)
-    src = (qsl[:-1, None] + verdict.accepted)[moves]
-    dst = (qsl[:-1, None] + step + 1).expand_as(moves)[moves]
-    if src.numel() == 0:
-        return
-    src_slots, dst_slots = slot_mapping[src].long(), slot_mapping[dst].long()
-    for layer, cache in layers:
-        blocks, heads, page, width = cache.shape
-        head_size = width // 2
-        perm_k, perm_v = block_layout(layer.isa, cache.dtype, page, head_size)
-        tiles = cache.view(blocks, heads, 2, page * head_size)  # keys tile, values tile
-        for side, perm in ((0, perm_k), (1, perm_v)):
-            where = perm.view(page, head_size)
-            read = where[src_slots % page]  # [moves, head_size] offsets in the tile
-            write = where[dst_slots % page]
-            h = torch.arange(heads)[None, :, None]
-            values = tiles[(src_slots // page)[:, None, None], h, side, read[:, None, :]]
-            tiles[(dst_slots // page)[:, None, None], h, side, write[:, None, :]] = values
 
 
 def _pad_rows(tensors: Any, num_reqs: int, width: int, full_width: int) -> Any:

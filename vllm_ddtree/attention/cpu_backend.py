@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
 from vllm_ddtree.attention.sdpa_tree_attention import tree_attention_sdpa
+from vllm_ddtree.tree import Verdict
 
 
 @functools.cache
@@ -54,6 +55,31 @@ def block_layout(isa: str, dtype: torch.dtype, block_size: int,
         perm[token * head_size + dim] = torch.arange(block_size * head_size)
         perms.append(perm)
     return perms[0], perms[1]
+
+
+def compact_cpu_attn_caches(layers: list, slot_mapping: torch.Tensor, qsl: torch.Tensor,
+                            verdict: Verdict) -> None:
+    """compact_tree for CPU_ATTN's caches, whose keys are packed per ISA inside a block; on the
+    host, with boolean masks (the CPU has no graph to break)."""
+    step = torch.arange(verdict.accepted.shape[1], device=qsl.device)
+    moves = (step < verdict.num_accepted[:, None]) & (verdict.accepted != step + 1)
+    src = (qsl[:-1, None] + verdict.accepted)[moves]
+    dst = (qsl[:-1, None] + step + 1).expand_as(moves)[moves]
+    if src.numel() == 0:
+        return
+    src_slots, dst_slots = slot_mapping[src].long(), slot_mapping[dst].long()
+    for layer, cache in layers:
+        blocks, heads, page, width = cache.shape
+        head_size = width // 2
+        perm_k, perm_v = block_layout(layer.isa, cache.dtype, page, head_size)
+        tiles = cache.view(blocks, heads, 2, page * head_size)  # keys tile, values tile
+        for side, perm in ((0, perm_k), (1, perm_v)):
+            where = perm.view(page, head_size)
+            read = where[src_slots % page]  # [moves, head_size] offsets in the tile
+            write = where[dst_slots % page]
+            h = torch.arange(heads)[None, :, None]
+            values = tiles[(src_slots // page)[:, None, None], h, side, read[:, None, :]]
+            tiles[(dst_slots // page)[:, None, None], h, side, write[:, None, :]] = values
 
 
 class TreeAttentionCPUBackend(TreeAttentionFeatures, CPUAttentionBackend):

@@ -2,7 +2,8 @@
 """Tree attention vs plain causal attention over the same query tokens, on a GPU: the Triton
 kernel of vllm_ddtree with each request's tree; the same kernel with every request causal
 (the mask's cost); PyTorch's SDPA, causal over the same keys laid out contiguously (how the
-kernel compares with a tuned causal kernel); and the kernel's tile sizes swept. Median of
+kernel compares with a tuned causal kernel); and the kernel's tile sizes and key splits
+swept. Median of
 repeated CUDA-event timings, side by side, one run.
 
     python3 scripts/bench_tree_attention.py [--repeats 50] [--json FILE]
@@ -26,7 +27,9 @@ from vllm_ddtree import ops
 from vllm_ddtree.attention.triton_tree_attention import BLOCK_M, TILE_N, tree_attention
 
 HEADS, KV_HEADS, HEAD_SIZE, PAGE = 32, 8, 128, 16  # Qwen3-8B's attention shape
-TILES = [(16, 16), (16, 64), (32, 32), (64, 32), (64, 64)]  # (block_m, tile_n), beside default
+# Kernel configurations swept beside the default: (block_m, tile_n, num_splits).
+CONFIGS = [(16, 16, 1), (16, 64, 1), (32, 32, 1), (64, 32, 1), (64, 64, 1),
+           (BLOCK_M, TILE_N, 2), (BLOCK_M, TILE_N, 4), (BLOCK_M, TILE_N, 8)]
 
 
 def median_ms(fn, repeats: int, dev: torch.device) -> float:
@@ -68,10 +71,11 @@ def bench(budget: int, num_reqs: int, context: int, repeats: int, dev: torch.dev
     tree_index = torch.arange(num_reqs, device=dev, dtype=torch.int32)
     causal_index = torch.full_like(tree_index, -1)
 
-    def run(index, tiles=(BLOCK_M, TILE_N)):
+    def run(index, config=(BLOCK_M, TILE_N, 1)):
         return lambda: tree_attention(query, key_cache, value_cache, out, block_table,
                                       seq_lens, qsl, index, trees.ancestor_mask,
-                                      HEAD_SIZE ** -0.5, block_m=tiles[0], tile_n=tiles[1])
+                                      HEAD_SIZE ** -0.5, block_m=config[0], tile_n=config[1],
+                                      num_splits=config[2])
 
     # The same keys and values, contiguous per request: [reqs, kv_heads, seq_len, head].
     slots = (block_table.long()[:, :, None] * PAGE + torch.arange(PAGE, device=dev)).flatten(1)
@@ -91,13 +95,19 @@ def bench(budget: int, num_reqs: int, context: int, repeats: int, dev: torch.dev
         raise SystemExit(f"bench_tree_attention: kernel (causal) != SDPA, max abs error {err}")
     tree_ms = median_ms(run(tree_index), repeats, dev)
     causal_ms = median_ms(run(causal_index), repeats, dev)
-    swept = {t: median_ms(run(tree_index, t), repeats, dev) for t in TILES}
+    swept = {c: median_ms(run(tree_index, c), repeats, dev) for c in CONFIGS}
     best = min(swept, key=swept.get)
     return {"budget": budget, "reqs": num_reqs, "context": context, "tree_ms": tree_ms,
             "causal_ms": causal_ms, "overhead": tree_ms / causal_ms - 1,
             "sdpa_causal_ms": median_ms(sdpa, repeats, dev), "sdpa_max_abs_diff": err,
-            "tiles_ms": {f"{m}x{n}": ms for (m, n), ms in swept.items()},
-            "best_tiles": f"{best[0]}x{best[1]}", "best_tiles_ms": swept[best]}
+            "configs_ms": {config_name(c): ms for c, ms in swept.items()},
+            "best_config": config_name(best), "best_config_ms": swept[best]}
+
+
+def config_name(config: tuple[int, int, int]) -> str:
+    """block_m x tile_n, and the split count when keys are split."""
+    m, n, splits = config
+    return f"{m}x{n}" + (f"/{splits} splits" if splits > 1 else "")
 
 
 def main() -> None:
@@ -115,16 +125,16 @@ def main() -> None:
             for b in args.budgets]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU, Triton interpreter"
     print(f"tree vs causal attention ({name}, bf16, {HEADS} heads, "
-          f"{KV_HEADS} KV heads, head {HEAD_SIZE}, page {PAGE}; median ms; kernel tiles "
-          f"{BLOCK_M}x{TILE_N} = query tokens x keys per step)\n")
+          f"{KV_HEADS} KV heads, head {HEAD_SIZE}, page {PAGE}; median ms; kernel "
+          f"{config_name((BLOCK_M, TILE_N, 1))} = rows (query token x head) x keys per step)\n")
     print("| context | requests | budget | tree | causal, same kernel | tree overhead "
-          "| SDPA causal | tree / SDPA | best tiles | tree, best tiles |")
+          "| SDPA causal | tree / SDPA | best config | tree, best config |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['reqs']} | {r['budget']} | {r['tree_ms']:.3f} | "
               f"{r['causal_ms']:.3f} | {100 * r['overhead']:+.1f}% | "
               f"{r['sdpa_causal_ms']:.3f} | {r['tree_ms'] / r['sdpa_causal_ms']:.2f}x | "
-              f"{r['best_tiles']} | {r['best_tiles_ms']:.3f} |")
+              f"{r['best_config']} | {r['best_config_ms']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

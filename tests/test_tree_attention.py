@@ -88,21 +88,47 @@ def test_rejects_heads_not_a_multiple_of_kv_heads() -> None:
         run("triton", batch.__class__(**{**batch.__dict__, "query": batch.query[:, :3]}))
 
 
-@pytest.mark.parametrize("block_m, tile_n, page, heads", [
-    (16, 16, 32, (8, 2)), (32, 64, 16, (8, 2)), (64, 32, 32, (8, 2)),
-    (16, 32, 16, (6, 2)),  # 3 query heads per KV head: 5 tokens x 3 heads fill 15 of 16 rows
-    (16, 32, 16, (32, 1)),  # 32 query heads per KV head: the tile grows to 32 rows
+@pytest.mark.parametrize("block_m, tile_n, page, heads, splits", [
+    (16, 16, 32, (8, 2), 1), (32, 64, 16, (8, 2), 1), (64, 32, 32, (8, 2), 1),
+    (16, 32, 16, (6, 2), 1),  # 3 query heads per KV head: 5 tokens x 3 heads fill 15 of 16 rows
+    (16, 32, 16, (32, 1), 1),  # 32 query heads per KV head: the tile grows to 32 rows
+    (16, 32, 16, (8, 2), 2), (16, 16, 16, (6, 2), 4), (32, 32, 32, (8, 2), 8),
+    (16, 16, 16, (4, 4), 16),  # more splits than some requests have key tiles
 ])
-def test_kernel_tile_sizes(block_m, tile_n, page, heads) -> None:
+def test_kernel_tile_sizes_and_splits(block_m, tile_n, page, heads, splits) -> None:
     # Key tiles smaller than, equal to and spanning several pages; query tiles of any size,
-    # packing the query heads of one KV head however many there are.
+    # packing the query heads of one KV head however many there are; keys split across
+    # programs and merged.
     batch = make_batch(5, ["decode", "star", "prefill", "deep", "bushy"], 40, [1, 16, 0, 95, 64],
                        heads[0], heads[1], 64, page, torch.float32)
     out = torch.full_like(batch.query, float("nan"))
     tree_attention(batch.query, batch.key_cache, batch.value_cache, out, batch.block_table,
                    batch.seq_lens, batch.query_start_loc, batch.tree_index,
-                   batch.ancestor_mask, batch.scale, block_m=block_m, tile_n=tile_n)
+                   batch.ancestor_mask, batch.scale, block_m=block_m, tile_n=tile_n,
+                   num_splits=splits)
     assert (out.double() - dense_reference(batch)).abs().max() <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_split_keys_match_dense_reference_in_bf16(case) -> None:
+    kinds, num_nodes, contexts = CASES[case]
+    batch = make_batch(case, kinds, num_nodes, [c + 200 for c in contexts], 8, 2, 128, 16,
+                       torch.bfloat16)
+    out = torch.full_like(batch.query, float("nan"))
+    tree_attention(batch.query, batch.key_cache, batch.value_cache, out, batch.block_table,
+                   batch.seq_lens, batch.query_start_loc, batch.tree_index,
+                   batch.ancestor_mask, batch.scale, num_splits=4)
+    err = (out.double() - dense_reference(batch)).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16], f"max abs error {err}"
+
+
+def test_rejects_a_split_count_not_a_power_of_2() -> None:
+    batch = make_batch(0, ["chain"], 4, [3], 4, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="argument 'num_splits' must be a power of 2"):
+        tree_attention(batch.query, batch.key_cache, batch.value_cache,
+                       torch.empty_like(batch.query), batch.block_table, batch.seq_lens,
+                       batch.query_start_loc, batch.tree_index, batch.ancestor_mask,
+                       batch.scale, num_splits=3)
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -134,4 +160,4 @@ def test_bench_tree_attention_runs(tmp_path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["sdpa_max_abs_diff"] <= TOLERANCE[torch.bfloat16]
-    assert row["tree_ms"] > 0 and row["sdpa_causal_ms"] > 0 and len(row["tiles_ms"]) == 5
+    assert row["tree_ms"] > 0 and row["sdpa_causal_ms"] > 0 and len(row["configs_ms"]) == 8

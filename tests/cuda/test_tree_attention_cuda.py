@@ -30,8 +30,9 @@ def test_kernel_on_gpu_matches_dense_reference(dtype, head_size, heads, page, ca
     assert err <= TOLERANCE.get(dtype, 3e-2), err
 
 
-@pytest.mark.parametrize("block_m, tile_n", [(16, 16), (32, 64), (64, 64)])
-def test_kernel_tile_sizes_on_gpu(block_m, tile_n) -> None:
+@pytest.mark.parametrize("block_m, tile_n, splits", [(16, 16, 1), (32, 64, 1), (64, 64, 1),
+                                                     (16, 32, 4), (32, 32, 8)])
+def test_kernel_tile_sizes_and_splits_on_gpu(block_m, tile_n, splits) -> None:
     batch = make_batch(5, ["decode", "star", "prefill", "deep", "bushy"], 40, [1, 16, 0, 95, 64],
                        32, 8, 128, 16, torch.bfloat16)
     cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
@@ -40,7 +41,7 @@ def test_kernel_tile_sizes_on_gpu(block_m, tile_n) -> None:
     tree_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"], out,
                    cuda["block_table"], cuda["seq_lens"], cuda["query_start_loc"],
                    cuda["tree_index"], cuda["ancestor_mask"], batch.scale,
-                   block_m=block_m, tile_n=tile_n)
+                   block_m=block_m, tile_n=tile_n, num_splits=splits)
     err = (out.cpu().double() - dense_reference(batch)).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16], err
 
@@ -63,7 +64,7 @@ def test_kernel_on_a_cache_of_over_2_31_elements() -> None:
     assert err <= TOLERANCE[torch.bfloat16], err
 
 
-def replay_batches(batches, device: str, capture: bool) -> list[float]:
+def replay_batches(batches, device: str, capture: bool, splits: int = 1) -> list[float]:
     """Persistent buffers sized for every batch (same tokens and requests, any contexts);
     the kernel captured once on the first batch (capture=True) then replayed on each batch
     copied into the buffers. Returns each batch's max abs error against the reference."""
@@ -88,7 +89,7 @@ def replay_batches(batches, device: str, capture: bool) -> list[float]:
     def call() -> None:
         tree_attention(rest["query"], key_cache, value_cache, out, block_table,
                        rest["seq_lens"], rest["query_start_loc"], rest["tree_index"],
-                       rest["ancestor_mask"], batches[0].scale)
+                       rest["ancestor_mask"], batches[0].scale, num_splits=splits)
 
     load(batches[0])
     call()  # compiles the kernel outside the graph
@@ -109,7 +110,8 @@ def replay_batches(batches, device: str, capture: bool) -> list[float]:
     return errors
 
 
-def test_kernel_replays_in_a_cuda_graph_with_new_trees_and_contexts() -> None:
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_replays_in_a_cuda_graph_with_new_trees_and_contexts(splits) -> None:
     # What a captured uniform verify step needs: one graph, new trees, contexts and block
     # tables each step, read from the same buffers, no host sync inside.
     batches = [make_batch(seed, kinds, 17, contexts, 32, 8, 128, 16, torch.bfloat16)
@@ -117,5 +119,5 @@ def test_kernel_replays_in_a_cuda_graph_with_new_trees_and_contexts() -> None:
                    (1, ["bushy", "star", "deep"], [40, 3, 70]),
                    (2, ["chain", "bushy", "star"], [90, 33, 0]),
                    (3, ["deep", "deep", "bushy"], [5, 128, 17])]]
-    errors = replay_batches(batches, "cuda", capture=True)
+    errors = replay_batches(batches, "cuda", capture=True, splits=splits)
     assert max(errors) <= TOLERANCE[torch.bfloat16], errors

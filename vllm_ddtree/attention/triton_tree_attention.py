@@ -31,19 +31,20 @@ _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, Out, block_table, seq_lens, query_start_loc, tree_index, ancestor_mask,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    Q, K, V, Out, Part, PartLse, block_table, seq_lens, query_start_loc, tree_index,
+    ancestor_mask, stride_qt, stride_qh, stride_ot, stride_oh, stride_ps, stride_ls,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_bt, stride_mt, stride_mn,
-    scale, num_reqs, head_size,
+    scale, num_reqs, num_heads, head_size,
     QUERIES_PER_KV: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     # A program takes BLOCK_Q query tokens of one request and the QUERIES_PER_KV query heads
     # that share one KV head: BLOCK_M rows (query token, head), each key tile read once.
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)  # with NUM_SPLITS > 1, this program's share of the keys
     # Request of this program: the last r with qsl[r] // BLOCK_Q + r <= pid (each request's
     # query tiles start at its own tile boundary).
     lo, hi = 0, num_reqs - 1
@@ -74,7 +75,12 @@ def _tree_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
         kv_end = ctx + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
         mask_rows = ancestor_mask + tl.maximum(tree, 0) * stride_mt + offs_m * stride_mn
-        for tile_start in range(0, kv_end, TILE_N):
+        kv_begin = 0
+        if NUM_SPLITS > 1:
+            per_split = tl.cdiv(tl.cdiv(kv_end, TILE_N), NUM_SPLITS) * TILE_N
+            kv_begin = split * per_split
+            kv_end = tl.minimum(kv_end, kv_begin + per_split)
+        for tile_start in range(kv_begin, kv_end, TILE_N):
             offs_n = tile_start + tl.arange(0, TILE_N)
             n_ok = offs_n < kv_end
             # A tile may span pages. Offsets in int64: a large cache has over 2**31 elements.
@@ -104,15 +110,43 @@ def _tree_attention_kernel(
             allowed = allowed | ~row_ok[:, None]
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            # A row may see no key of a split's range yet: keep exp() off -inf - -inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
-                 + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        store_mask = row_ok[:, None] & d_ok[None, :]
+        if NUM_SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
+                     + offs_d[None, :], out.to(Out.dtype.element_ty), mask=store_mask)
+        else:  # this split's normalized output and log-sum-exp, merged by _merge_splits
+            seen = l_i > 0
+            out = acc / tl.where(seen, l_i, 1.0)[:, None]
+            lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+            row = (q_start + offs_m).to(tl.int64) * num_heads + head
+            tl.store(Part + split * stride_ps + row[:, None] * HEAD + offs_d[None, :], out,
+                     mask=store_mask)
+            tl.store(PartLse + split * stride_ls + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(Part, PartLse, Out, stride_ps, stride_ls, stride_ot, stride_oh, num_heads,
+                  head_size, HEAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # One (token, head) row: the splits' outputs weighted by their share of the softmax sum.
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD)
+    d_ok = offs_d < head_size
+    lse = tl.load(PartLse + splits * stride_ls + row)
+    weight = tl.exp(lse - tl.max(lse, axis=0))
+    part = tl.load(Part + splits[:, None] * stride_ps + row * HEAD + offs_d[None, :],
+                   mask=d_ok[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(Out + (row // num_heads) * stride_ot + (row % num_heads) * stride_oh + offs_d,
+             out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 def tree_attention(
@@ -128,10 +162,13 @@ def tree_attention(
     scale: float,
     block_m: int = BLOCK_M,
     tile_n: int = TILE_N,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Causal attention for plain requests and tree attention for tree requests, one launch.
     Tile sizes (powers of 2, at least 16): block_m rows of (query token, query head) sharing
-    a KV head (at least that many heads), tile_n keys per step."""
+    a KV head (at least that many heads), tile_n keys per step. num_splits > 1 (a power of
+    2) splits each request's keys across that many programs, whose partial results a second
+    launch merges: more parallelism when few requests face long contexts."""
     num_tokens, num_heads, head_size = query.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -140,21 +177,35 @@ def tree_attention(
                          f"multiple of the cache's {num_kv_heads} KV heads")
     if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("tree_attention: head_size must be the innermost, contiguous dim")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"tree_attention: argument 'num_splits' must be a power of 2, got "
+                         f"{num_splits}")
     if ancestor_mask.numel() == 0:  # keep a valid pointer for the kernel
         ancestor_mask = ancestor_mask.new_zeros(1, 1, 1)
     queries_per_kv = num_heads // num_kv_heads
     block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads)
+    head = triton.next_power_of_2(head_size)
+    if num_splits > 1:
+        part = query.new_empty(num_splits, num_tokens * num_heads, head, dtype=torch.float32)
+        part_lse = query.new_empty(num_splits, num_tokens * num_heads, dtype=torch.float32)
+    else:  # unused
+        part = part_lse = query.new_empty(1, 1, dtype=torch.float32)
+    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads, num_splits)
     _tree_attention_kernel[grid](
-        query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
-        tree_index, ancestor_mask,
+        query, key_cache, value_cache, out, part, part_lse, block_table, seq_lens,
+        query_start_loc, tree_index, ancestor_mask,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        part.stride(0), part_lse.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
-        scale, num_reqs, head_size,
-        QUERIES_PER_KV=queries_per_kv, HEAD=triton.next_power_of_2(head_size),
-        BLOCK_M=block_m, BLOCK_Q=block_q, PAGE=page, TILE_N=tile_n, UPCAST_DOTS=_UPCAST_DOTS,
+        scale, num_reqs, num_heads, head_size,
+        QUERIES_PER_KV=queries_per_kv, HEAD=head, BLOCK_M=block_m, BLOCK_Q=block_q,
+        PAGE=page, TILE_N=tile_n, NUM_SPLITS=num_splits, UPCAST_DOTS=_UPCAST_DOTS,
     )
+    if num_splits > 1 and num_tokens > 0:
+        _merge_splits[(num_tokens * num_heads,)](
+            part, part_lse, out, part.stride(0), part_lse.stride(0), out.stride(0),
+            out.stride(1), num_heads, head_size, HEAD=head, NUM_SPLITS=num_splits)
     return out

@@ -28,6 +28,29 @@ def generate(tiny_models: Path, spec: dict | None, max_num_seqs: int = 8,
     return outputs, llm
 
 
+@pytest.fixture(params=["sync", "async"])
+def scheduling(request, monkeypatch) -> str:
+    """Both scheduling modes. vLLM's CPU platform turns async scheduling off ("not required
+    on CPU"), but on a GPU it is on by default, for ddtree too (which runs as method dflash,
+    which vLLM schedules asynchronously): turn it back on to run that path here."""
+    if request.param == "async":
+        from vllm.platforms.cpu import CpuPlatform
+
+        original = CpuPlatform.check_and_update_config.__func__
+
+        def keep_async(cls, vllm_config) -> None:
+            original(cls, vllm_config)
+            vllm_config.scheduler_config.async_scheduling = True
+
+        monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
+    return request.param
+
+
+def assert_scheduling(llm, scheduling: str) -> None:
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling == (
+        scheduling == "async")
+
+
 def ddtree_state(llm):
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
@@ -70,6 +93,7 @@ def test_greedy_is_lossless(tiny_models: Path, baseline, budget, spine, max_num_
 def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str], seed: int):
     """A drafter that knows the target's greedy continuation and shows it imperfectly: per
     depth the true token is ranked first (55%), second or third (30%), or missing (15%)."""
+    produced: dict[str, int] = {}  # per request, tokens emitted so far (async scheduling)
 
     def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         state, depth = self.ddtree_state, self.depth
@@ -84,9 +108,16 @@ def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str],
                 emitted = verdict.output_tokens[r, :int(verdict.num_accepted[r]) + 1].tolist()
             else:
                 emitted = [int(self._roots[r])]
-            seq = history + emitted
-            prompt = next(p for ids, p in prompt_ids.items() if tuple(seq[:len(ids)]) == ids)
-            done = len(seq) - len(next(i for i, p in prompt_ids.items() if p == prompt))
+            ids = next(i for i in prompt_ids if tuple(history[:len(i)]) == i)
+            prompt, done = prompt_ids[ids], len(history) + len(emitted) - len(ids)
+            if state.runner.use_async_scheduling:
+                # The host's history lags and holds placeholders: count what each step
+                # emitted instead; the sequence is then the prompt and the target's own
+                # continuation (output is lossless: the tests check it).
+                rid = batch.req_ids[r]
+                done = produced[rid] = produced.get(rid, len(history) - len(ids)) + len(
+                    emitted)
+            seq = [*ids, *baseline[prompt][:done]]
             rng = np.random.default_rng([seed, len(seq), *seq[-3:]])
             logits[r] = torch.from_numpy(rng.normal(size=(depth, vocab)))
             for d in range(depth):
@@ -110,7 +141,7 @@ def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str],
 @pytest.mark.slow
 @pytest.mark.parametrize("spine", [True, False])
 def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline, monkeypatch,
-                                                    spine) -> None:
+                                                    spine, scheduling) -> None:
     from vllm_ddtree.runner import DDTreeProposer
 
     _, llm = generate(tiny_models, None, max_tokens=1)
@@ -122,6 +153,7 @@ def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline,
     spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16,
             "tree_spine": spine}
     outputs, llm = generate(tiny_models, spec)
+    assert_scheduling(llm, scheduling)
     got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
     assert got == {p: t[:MAX_TOKENS] for p, t in baseline.items()}
     stats = ddtree_state(llm).stats()
@@ -141,7 +173,8 @@ def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline,
 
 
 @pytest.mark.slow
-def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch) -> None:
+def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch,
+                                      scheduling) -> None:
     """Greedy, half the requests asking logprobs=3 (a quarter also prompt_logprobs=2), with
     trees accepted deep and off the chain (the oracle drafter): every emitted token's
     logprob, rank and top-3 equal those of the target alone (float32, within 1e-4), each
@@ -157,6 +190,7 @@ def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch) 
                                  logprobs=3 if i % 2 == 0 else None,
                                  prompt_logprobs=2 if i % 4 == 0 else None)
                   for i in range(len(PROMPTS))]
+        assert_scheduling(llm, scheduling)
         return llm.generate(PROMPTS, params, use_tqdm=False), llm
 
     plain, llm = run(None)
@@ -190,7 +224,7 @@ def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch) 
 
 @pytest.mark.slow
 def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseline,
-                                                       monkeypatch) -> None:
+                                                       monkeypatch, scheduling) -> None:
     """Repetition / presence / frequency penalties, allowed_token_ids, min_tokens (with a
     stop token the target would choose 4th; with nearly every token a stop token) and
     bad_words (two tokens the target would choose 4th and 5th), with trees accepted deep and
@@ -218,6 +252,7 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
     def run(spec: dict | None):
         llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
                   seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec)
+        assert_scheduling(llm, scheduling)
         outputs = llm.generate(PROMPTS, [params(i, p) for i, p in enumerate(PROMPTS)],
                                use_tqdm=False)
         return {o.prompt: [list(c.token_ids) for c in o.outputs] for o in outputs}, llm
@@ -246,7 +281,8 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mixed", [True, False])
-def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed) -> None:
+def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed,
+                                       scheduling) -> None:
     """Regex and JSON-schema requests, alone or batched with plain ones, the oracle drafter
     shown the constrained continuations, no spine (nodes in index order are no chain):
     output equals the target alone's and the regex is matched. vLLM builds grammar masks
@@ -272,6 +308,7 @@ def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed) ->
     def run(spec: dict | None):
         llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
                   seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec)
+        assert_scheduling(llm, scheduling)
         outputs = llm.generate(PROMPTS, [params(i) for i in range(len(PROMPTS))],
                                use_tqdm=False)
         return {o.prompt: o.outputs[0] for o in outputs}, llm
@@ -408,7 +445,7 @@ def test_sampling_matches_the_target_distribution(tiny_models: Path) -> None:
 
 @pytest.mark.slow
 def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
-                                                          monkeypatch) -> None:
+                                                          monkeypatch, scheduling) -> None:
     """Requests of different lengths finishing at different steps, long prompts prefilled in
     chunks next to verify steps, prefix caching on, and preemption under a tiny KV cache:
     with trees being accepted (the oracle drafter), output stays the target's own."""
@@ -440,6 +477,7 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
               max_num_batched_tokens=64, num_gpu_blocks_override=10, disable_log_stats=False,
               speculative_config={"method": "ddtree", "tree_budget": 12,
                                   "model": str(tiny_models / "drafter")})
+    assert_scheduling(llm, scheduling)
     outputs = llm.generate(prompts, params(), use_tqdm=False)
     got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
     assert got == {p: baseline[p][:m] for p, m in zip(prompts, max_tokens)}

@@ -30,7 +30,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_ddtree import ops
 from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.config import deriving_drafter_config
-from vllm_ddtree.sampling import node_choices, process_node_logits
+from vllm_ddtree.sampling import MinTokens, node_choices, process_node_logits
 from vllm_ddtree.tree import DraftTrees
 
 
@@ -191,7 +191,8 @@ class DDTreeState:
         node = (all_rows - first_row[req]).clamp(max=self.num_nodes - 1)
         processed = process_node_logits(
             logits, req, lambda: step["depths"][req, node],
-            lambda: self._path_tokens()[req, node], len(first_row), sampling_metadata)
+            lambda: self._path_tokens()[req, node], len(first_row), sampling_metadata,
+            self._min_tokens(len(first_row)))
         per_row = node_choices(processed, req, [1 + n for n in drafts], sampling_metadata)
         rows = first_row[:, None] + self.node
         choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)
@@ -209,6 +210,36 @@ class DDTreeState:
         self.step = None
         return SamplerOutput(sampled_token_ids=verdict.output_tokens.to(torch.int32),
                              logprobs_tensors=logprobs)
+
+    def _min_tokens(self, num_reqs: int) -> MinTokens | None:
+        """min_tokens from the requests' own parameters, against their output so far as the
+        device counts it (the root's position). Not vLLM's MinTokens processor: under async
+        scheduling with speculative decoding it counts the drafts' optimistic placeholders
+        (-1) as output and lets stop tokens through too early (vLLM's dflash loses min_tokens
+        that way)."""
+        from vllm.utils.torch_utils import async_tensor_h2d
+
+        runner, rows, least = self.runner, [], [0] * num_reqs
+        for r, rid in enumerate(runner.input_batch.req_ids[:num_reqs]):
+            state = runner.requests[rid]
+            params = state.sampling_params
+            if params is None or not params.min_tokens:
+                continue
+            # Real tokens (placeholders trail them): a lower bound of the output so far.
+            output = state.output_token_ids
+            real = len(output)
+            while real > 0 and output[real - 1] == -1:
+                real -= 1
+            if real < params.min_tokens:
+                rows.append((r, params.all_stop_token_ids))
+                least[r] = params.min_tokens
+        if not rows:
+            return None
+        dev, step = runner.device, self.step
+        root = step["qsl"][1:] - 1 - step["num_drafts"]  # each request's root token
+        prompt = runner.input_batch.num_prompt_tokens[:num_reqs].tolist()
+        output = runner.positions[root] + 1 - async_tensor_h2d(prompt, dev, torch.int64)
+        return MinTokens(rows, async_tensor_h2d(least, dev, torch.int64) - output)
 
     def _path_tokens(self) -> torch.Tensor:
         """[R, N, depth]: each node's path tokens below the root (itself first), -1 padded;

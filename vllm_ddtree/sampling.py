@@ -19,8 +19,8 @@ request with an error naming the parameter (an HTTP 400), while the server keeps
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,28 +45,25 @@ def validate_request(params: Any) -> None:
                 value=value)
 
 
-def _builtin(processors: list, kind: type) -> Any:
-    """vLLM's built-in logits processor of this kind, if the engine loaded it."""
-    for p in processors:
-        if isinstance(p, kind):
-            return p
-    return None
+class MinTokens(NamedTuple):
+    """Requests with min_tokens this step: ``rows`` (batch row, stop token ids) and ``left``
+    (on the device, per request: tokens still to emit before a stop token may end the
+    output; <= 0 once min_tokens is reached)."""
+
+    rows: list[tuple[int, Collection[int]]]
+    left: torch.Tensor
 
 
 def process_node_logits(logits: torch.Tensor, request: torch.Tensor,
                         node_depth: Callable[[], torch.Tensor],
                         path_tokens: Callable[[], torch.Tensor], num_reqs: int,
-                        sampling_metadata: Any) -> torch.Tensor:
+                        sampling_metadata: Any, min_tokens: MinTokens | None) -> torch.Tensor:
     """What vLLM's sampler applies to logits before choosing, for one row per tree node:
     ``request`` is each row's request (batch row); ``node_depth()`` each row's node depth and
     ``path_tokens()`` its tokens below the root, the node's own first, then its parent's, ...
     (-1 where none), both asked for only when needed. Returns ``logits`` itself when nothing
     applies, else a float32 copy."""
-    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
-
     sm = sampling_metadata
-    min_tokens = _builtin(sm.logitsprocs.non_argmax_invariant, MinTokensLogitsProcessor)
-    min_tokens = min_tokens if min_tokens is not None and min_tokens.min_toks else None
     if (sm.no_penalties and sm.allowed_token_ids_mask is None and min_tokens is None
             and not sm.bad_words_token_ids):
         return logits
@@ -117,21 +114,17 @@ def _mask_bad_words(logits: torch.Tensor, request: torch.Tensor, depth: torch.Te
 
 
 def _mask_stop_tokens(logits: torch.Tensor, request: torch.Tensor, depth: torch.Tensor,
-                      num_reqs: int, min_tokens: Any) -> None:
+                      num_reqs: int, min_tokens: MinTokens) -> None:
     """Stop tokens out while the output plus the node's depth is under min_tokens."""
     from vllm.utils.torch_utils import async_tensor_h2d
 
     dev = logits.device
-    left, reqs, stops = [0] * num_reqs, [], []
-    for r, (least, output, stop_ids, _) in min_tokens.min_toks.items():
-        if r < num_reqs:
-            left[r] = least - len(output)
-            reqs += [r] * len(stop_ids)
-            stops += list(stop_ids)
+    reqs = [r for r, stop_ids in min_tokens.rows for _ in stop_ids]
+    stops = [t for _, stop_ids in min_tokens.rows for t in stop_ids]
     is_stop = torch.zeros(num_reqs, logits.shape[-1], dtype=torch.bool, device=dev)
     is_stop[async_tensor_h2d(reqs, dev, torch.int64),
             async_tensor_h2d(stops, dev, torch.int64)] = True
-    short = depth < async_tensor_h2d(left, dev, torch.int64)[request]
+    short = depth < min_tokens.left[request]
     logits.masked_fill_(is_stop[request] & short[:, None], float("-inf"))
 
 

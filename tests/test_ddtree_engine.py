@@ -421,7 +421,7 @@ def chi_square_p_value(a: list[int], b: list[int]) -> float:
 
 
 @pytest.mark.slow
-def test_sampling_matches_the_target_distribution(tiny_models: Path) -> None:
+def test_sampling_matches_the_target_distribution(tiny_models: Path, scheduling) -> None:
     """Temperature 1 (top-k 3 to keep the support small): the 2nd and 3rd generated tokens,
     the first ones speculation produces, are distributed as without speculation. Threshold:
     the test fails when the chi-square p-value is below 0.001 (fixed seeds: deterministic)."""
@@ -432,6 +432,7 @@ def test_sampling_matches_the_target_distribution(tiny_models: Path) -> None:
                                                     "model": str(tiny_models / "drafter")})):
         llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=128,
                   seed=0, dtype="float32", max_num_seqs=64, speculative_config=spec)
+        assert_scheduling(llm, scheduling)
         params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=1000 + i)
                   for i in range(800)]
         outputs = llm.generate(["def main():"] * 800, params, use_tqdm=False)

@@ -330,6 +330,32 @@ def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed,
         assert stats["paths_off_the_index_line"] == 0, stats
 
 
+@pytest.mark.slow
+def test_compiled_target_is_lossless(tiny_models: Path, baseline, monkeypatch) -> None:
+    """Without enforce_eager vLLM compiles the model with torch.compile, as it does by
+    default on a GPU (the tests elsewhere run eager to save time): trees still accept deep
+    and off the chain, and output is still the target's own."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    _, llm = generate(tiny_models, None, max_tokens=1)
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=7))
+    llm = LLM(model=str(tiny_models / "target"), max_model_len=512, seed=0, dtype="float32",
+              max_num_seqs=8, speculative_config={"method": "ddtree", "tree_budget": 16,
+                                                  "model": str(tiny_models / "drafter")})
+    assert llm.llm_engine.vllm_config.compilation_config.mode > 0  # compiled
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+        p: t[:MAX_TOKENS] for p, t in baseline.items()}
+    stats = ddtree_state(llm).stats()
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+
+
 def random_lora(target: Path, out: Path, rank: int = 8) -> Path:
     """A random PEFT LoRA adapter on the tiny target's q / v / o projections."""
     import json

@@ -66,6 +66,8 @@ def test_valid_config_maps_onto_dflash_with_tree_attention(tiny_models: Path) ->
      r"model_config.logits_processors: method 'ddtree' does not run custom"),
     ({}, {"return_sampling_mask": True}, r"model_config.return_sampling_mask is not supported"),
     ({}, {"watermark_config": {"key": 1}}, r"watermark_config: method 'ddtree' does not"),
+    ({}, {"pipeline_parallel_size": 2},
+     r"parallel_config.pipeline_parallel_size is 2: method 'ddtree' runs without pipeline"),
 ])
 def test_bad_config_fails_at_startup_naming_the_field(tiny_models: Path, tmp_path: Path, spec,
                                                        engine_kwargs, message) -> None:

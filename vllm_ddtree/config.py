@@ -111,6 +111,12 @@ def verify_vllm_config(vllm_config: Any) -> None:
                          f"over a token tree: method 'ddtree' needs TREE_ATTN (leave "
                          f"--attention-backend unset or set it to TREE_ATTN)")
     vllm_config.attention_config.backend = tree_attn
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        # vLLM 0.32's V1 runner crashes at startup for dflash under PP (no drafter on the
+        # earlier stages); and tree verification would have to compact every stage's cache.
+        raise ValueError(f"parallel_config.pipeline_parallel_size is "
+                         f"{vllm_config.parallel_config.pipeline_parallel_size}: method "
+                         f"'ddtree' runs without pipeline parallelism (use tensor parallelism)")
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
     if spec.tree_budget + 1 > tokens:
         raise ValueError(f"speculative_config.tree_budget is {spec.tree_budget}: a verify step "

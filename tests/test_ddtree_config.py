@@ -66,6 +66,7 @@ def test_valid_config_maps_onto_dflash_with_tree_attention(tiny_models: Path) ->
      r"model_config.logits_processors: method 'ddtree' does not run custom"),
     ({}, {"return_sampling_mask": True}, r"model_config.return_sampling_mask is not supported"),
     ({}, {"watermark_config": {"key": 1}}, r"watermark_config: method 'ddtree' does not"),
+    ({}, {"kv_cache_dtype": "fp8"}, r"cache_config.cache_dtype is 'fp8': TREE_ATTN keeps"),
     ({}, {"pipeline_parallel_size": 2},
      r"parallel_config.pipeline_parallel_size is 2: method 'ddtree' runs without pipeline"),
 ])

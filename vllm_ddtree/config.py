@@ -101,6 +101,8 @@ def verify_vllm_config(vllm_config: Any) -> None:
     """In VllmConfig.__post_init__: checks that need the scheduler and attention settings."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    from vllm_ddtree.attention.features import TreeAttentionFeatures
+
     if _drafter_copy.get():
         return
     spec = vllm_config.speculative_config
@@ -111,6 +113,12 @@ def verify_vllm_config(vllm_config: Any) -> None:
                          f"over a token tree: method 'ddtree' needs TREE_ATTN (leave "
                          f"--attention-backend unset or set it to TREE_ATTN)")
     vllm_config.attention_config.backend = tree_attn
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in TreeAttentionFeatures.supported_kv_cache_dtypes:
+        raise ValueError(f"cache_config.cache_dtype is {cache_dtype!r}: TREE_ATTN keeps the KV "
+                         f"cache in the model's dtype (one of "
+                         f"{TreeAttentionFeatures.supported_kv_cache_dtypes}), no quantized "
+                         f"cache; leave --kv-cache-dtype unset")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         # vLLM 0.32's V1 runner crashes at startup for dflash under PP (no drafter on the
         # earlier stages); and tree verification would have to compact every stage's cache.

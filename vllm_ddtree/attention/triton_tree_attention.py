@@ -1,4 +1,5 @@
-"""Tree attention over vLLM's paged KV cache, as one Triton kernel launch for the batch.
+"""Tree attention over vLLM's paged KV cache, as one Triton kernel launch for the batch (and
+a second that merges the partial results when each request's keys are split).
 
 Per request ``r`` of the batch, with ``q_len`` query tokens and ``ctx = seq_lens[r] - q_len``
 committed tokens before them, query token ``i`` sees key ``j`` when ``j < ctx`` (the

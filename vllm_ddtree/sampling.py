@@ -75,7 +75,7 @@ def process_node_logits(logits: torch.Tensor, request: torch.Tensor,
     if sm.bad_words_token_ids:
         _mask_bad_words(processed, request, depth, path, num_reqs, sm)
     if min_tokens is not None:
-        _mask_stop_tokens(processed, request, depth, num_reqs, min_tokens)
+        _mask_stop_tokens(processed, request, depth, min_tokens)
     if not sm.no_penalties:
         _apply_penalties(processed, request, path, num_reqs, sm)
     return processed
@@ -109,23 +109,28 @@ def _mask_bad_words(logits: torch.Tensor, request: torch.Tensor, depth: torch.Te
     last = async_tensor_h2d([w[-1] for _, w in words], dev, torch.int64)
     hit = (request[:, None] == owner) & ((prefix == -2) | (history[:, None, :] == prefix)
                                          ).all(dim=-1)
+    _ban(logits, hit, last)
+
+
+def _ban(logits: torch.Tensor, hit: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Token ``tokens[j]`` to -inf at the rows where ``hit[:, j]``: [rows, entries], never a
+    [rows, vocab] mask."""
     banned = torch.where(hit, float("-inf"), float("inf"))
-    logits.scatter_reduce_(1, last.expand_as(hit), banned, reduce="amin")
+    logits.scatter_reduce_(1, tokens.expand_as(hit), banned, reduce="amin")
 
 
 def _mask_stop_tokens(logits: torch.Tensor, request: torch.Tensor, depth: torch.Tensor,
-                      num_reqs: int, min_tokens: MinTokens) -> None:
+                      min_tokens: MinTokens) -> None:
     """Stop tokens out while the output plus the node's depth is under min_tokens."""
     from vllm.utils.torch_utils import async_tensor_h2d
 
     dev = logits.device
-    reqs = [r for r, stop_ids in min_tokens.rows for _ in stop_ids]
-    stops = [t for _, stop_ids in min_tokens.rows for t in stop_ids]
-    is_stop = torch.zeros(num_reqs, logits.shape[-1], dtype=torch.bool, device=dev)
-    is_stop[async_tensor_h2d(reqs, dev, torch.int64),
-            async_tensor_h2d(stops, dev, torch.int64)] = True
+    owner = async_tensor_h2d([r for r, stop_ids in min_tokens.rows for _ in stop_ids], dev,
+                             torch.int64)
+    stops = async_tensor_h2d([t for _, stop_ids in min_tokens.rows for t in stop_ids], dev,
+                             torch.int64)
     short = depth < min_tokens.left[request]
-    logits.masked_fill_(is_stop[request] & short[:, None], float("-inf"))
+    _ban(logits, (request[:, None] == owner) & short[:, None], stops)
 
 
 def _apply_penalties(logits: torch.Tensor, request: torch.Tensor, path: torch.Tensor,

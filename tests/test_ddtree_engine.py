@@ -478,13 +478,14 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
     with trees being accepted (the oracle drafter), output stays the target's own."""
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.runner import DDTreeProposer
+    from vllm_ddtree.runner import DDTreeProposer, DDTreeState
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     prompts = [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
                for i in range(12)]
     prompts += [prompts[0] + " and more", prompts[1] + " again"]  # shared prefixes
     max_tokens = [8 + 5 * (i % 5) for i in range(len(prompts))]
+    max_tokens[-1] = 256  # runs into max_model_len (256 below): its last trees are cut short
     settings = dict(enforce_eager=True, max_model_len=512, seed=0, dtype="float32",
                     block_size=32)
 
@@ -499,6 +500,17 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
     del llm
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=2))
+    cut_short = []  # trees whose nodes the scheduler cut (to stay within max_model_len)
+    prepare_step = DDTreeState.prepare_step
+
+    def record_cut_trees(self, spec_decode_metadata, num_tokens):
+        if spec_decode_metadata is not None:
+            cut_short.extend(rid for rid, n in zip(self.runner.input_batch.req_ids,
+                                                   spec_decode_metadata.num_draft_tokens)
+                             if 0 < n < self.budget and rid in self.proposed_rows)
+        return prepare_step(self, spec_decode_metadata, num_tokens)
+
+    monkeypatch.setattr(DDTreeState, "prepare_step", record_cut_trees)
     llm = LLM(model=str(tiny_models / "target"), **(settings | {"max_model_len": 256}),
               max_num_seqs=6,
               max_num_batched_tokens=64, num_gpu_blocks_override=10, disable_log_stats=False,
@@ -507,9 +519,11 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
     assert_scheduling(llm, scheduling)
     outputs = llm.generate(prompts, params(), use_tqdm=False)
     got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
-    assert got == {p: baseline[p][:m] for p, m in zip(prompts, max_tokens)}
+    room = {o.prompt: 256 - len(o.prompt_token_ids) for o in outputs}
+    assert got == {p: baseline[p][:min(m, room[p])] for p, m in zip(prompts, max_tokens)}
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
+    assert cut_short, "no tree was cut short"
     assert ddtree_state(llm).stats()["longest_accepted"] >= 3
 
 

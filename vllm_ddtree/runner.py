@@ -101,26 +101,39 @@ class DDTreeState:
         self.proposed: DraftTrees | None = None
         self.proposed_rows: dict[str, int] = {}
         self.step: dict[str, torch.Tensor] | None = None
-        self.node = torch.arange(self.num_nodes, device=runner.device)
-        # A request drafted without a stored tree (a placeholder) is verified as a chain, no
-        # deeper than a tree (accepting fewer drafts is still lossless): every path then
-        # has at most `depth` nodes below the root.
-        self.chain_child = torch.where(self.node + 1 <= min(depth, budget), self.node + 1, -1)
-        self.chain_parent = self.node - 1
-        # Counters kept on the device (read them with stats(), which syncs): verify steps
-        # of tree requests, the longest accepted path, and paths that left the node-index ==
-        # depth line (with the spine: paths off the drafter's greedy chain).
-        self._stats = torch.zeros(3, dtype=torch.int64, device=runner.device)
+        dev, max_reqs, N = runner.device, runner.max_num_reqs, self.num_nodes
+        self.node = torch.arange(N, device=dev)
+        # The links of the trees drafted last step, field-major so that one index_select
+        # gathers a step's rows: depths, first_child, next_sibling, parents (int32
+        # [4, max_reqs + 1, N]). Its last row is a chain, for rows drafted without a stored
+        # tree (placeholders, structured output); no deeper than a tree (accepting fewer
+        # drafts is still lossless): every path has at most `depth` nodes below the root.
+        self._links = torch.empty(4, max_reqs + 1, N, dtype=torch.int32, device=dev)
+        self._chain_row = max_reqs
+        chain_child = torch.where(self.node + 1 <= min(depth, budget), self.node + 1, -1)
+        self._links[:, max_reqs] = torch.stack([self.node, chain_child,
+                                                torch.full_like(self.node, -1), self.node - 1])
+        # Per row, to the device in one copy through vLLM's pinned buffer (a tensor made
+        # from a list on a CUDA device would synchronize the stream): its links row, its
+        # tree's row in the drafted batch (-1: none) and its number of drafts.
+        self._row_info = runner._make_buffer(3 * max_reqs, dtype=torch.int32)
+        # Counters (read them with stats(), which syncs): verify steps of requests, the
+        # longest accepted path, and paths that left the node-index == depth line (with the
+        # spine: paths off the drafter's greedy chain). A node's index is at least its depth
+        # (parents precede children), so a path leaves the line where an index exceeds it.
+        self._verified_rows = 0
+        self._longest = torch.zeros((), dtype=torch.int32, device=dev)
+        self._off_line = torch.zeros((), dtype=torch.int64, device=dev)
+        self._index_line = torch.arange(1, budget + 1, dtype=torch.int32, device=dev)
         self.last_verdict: ops.Verdict | None = None
         self._kv_groups: list | None = None
-        # Each row's stored tree (-1: none) goes to the device through vLLM's pinned buffer:
-        # a tensor made from a list on a CUDA device would synchronize the stream.
-        self._tree_of_row = runner._make_buffer(runner.max_num_reqs, dtype=torch.int64)
 
     def store(self, trees: DraftTrees, req_ids: list[str | None]) -> None:
         """Keep this step's trees; a row whose id is None is not a tree (a chain)."""
         self.proposed = trees
         self.proposed_rows = {rid: i for i, rid in enumerate(req_ids) if rid is not None}
+        self._links[:, :len(req_ids)].copy_(torch.stack(
+            [trees.depths, trees.first_child, trees.next_sibling, trees.parents]))
 
     def prepare_step(self, spec_decode_metadata: Any, num_tokens: int) -> None:
         """After the runner's _prepare_inputs: this step's trees, positions and masks."""
@@ -129,52 +142,36 @@ class DDTreeState:
             self.trees.clear()
             self.step = None
             return
-        runner, N, dev = self.runner, self.num_nodes, self.runner.device
+        runner, N = self.runner, self.num_nodes
         drafts = spec_decode_metadata.num_draft_tokens
         R = len(drafts)
-        tree_of_row = self._tree_of_row.np
+        info = self._row_info.np
         for i, (rid, n) in enumerate(zip(runner.input_batch.req_ids[:R], drafts)):
-            tree_of_row[i] = self.proposed_rows.get(rid, -1) if n > 0 else -1
-        src = self._tree_of_row.copy_to_gpu(R)
-        has_tree = src >= 0
-        cu_drafts = spec_decode_metadata.cu_num_draft_tokens
-        n = torch.diff(cu_drafts, prepend=cu_drafts.new_zeros(1)).long()
-        chain_depth, chain_child = self.node.expand(R, N), self.chain_child.expand(R, N)
-        parents = self.chain_parent.expand(R, N)
+            tree = self.proposed_rows.get(rid, -1) if n > 0 else -1
+            info[i], info[R + i], info[2 * R + i] = (
+                tree if tree >= 0 else self._chain_row, tree, n)
+        row_info = self._row_info.copy_to_gpu(3 * R)
+        n = row_info[2 * R:]
+        depths, first_child, next_sibling, parents = self._links.index_select(1, row_info[:R])
         if self.proposed is not None:
-            got = [t[src.clamp(min=0)] for t in (self.proposed.depths,
-                                                 self.proposed.first_child,
-                                                 self.proposed.next_sibling,
-                                                 self.proposed.parents)]
-            pick = has_tree[:, None]
-            depths = torch.where(pick, got[0], chain_depth)
-            first_child = torch.where(pick, got[1], chain_child)
-            next_sibling = torch.where(pick, got[2], -1)
-            parents = torch.where(pick, got[3], parents)
-            self.trees.set_trees(torch.where(has_tree, torch.arange(R, device=dev), -1),
-                                 self.proposed.ancestor_mask[src.clamp(min=0)])
-        else:  # nothing proposed yet: every drafted row is a chain
-            depths, first_child = chain_depth, chain_child
-            next_sibling = torch.full_like(chain_depth, -1)
+            self.trees.set_trees(row_info[R:2 * R], self.proposed.ancestor_mask)
+        else:
             self.trees.clear()
-        # A scheduled prefix of the nodes is a tree (parents precede children): drop links
-        # to nodes beyond this step's drafts.
-        first_child = torch.where(first_child <= n[:, None], first_child, -1)
-        next_sibling = torch.where(next_sibling <= n[:, None], next_sibling, -1)
+        # A scheduled prefix of a tree's nodes is a tree (parents precede children). Links
+        # to nodes beyond it stay: those nodes' tokens are -1, which no choice equals.
         qsl = runner.query_start_loc.gpu[:R + 1].to(torch.int64)
         rows = (qsl[:-1, None] + self.node).clamp(max=num_tokens - 1)
         valid = self.node <= n[:, None]
         token_ids = torch.where(valid, runner.input_ids.gpu[rows].to(torch.int64), -1)
         # Depth-aware positions, in place: node i of a tree sits at root position + depth.
-        req = runner.req_indices.gpu[:num_tokens]
-        qpos = runner.query_pos.gpu[:num_tokens]
-        in_tree = has_tree[req] & (qpos < N)
-        delta = torch.where(in_tree, depths[req, qpos.clamp(max=N - 1)] - qpos, 0)
+        # Other rows are chains (depth == node), prefill chunks included, so they keep theirs.
+        offset = depths - self.node
+        qpos = runner.query_pos.gpu[:num_tokens].clamp(max=N - 1)
+        delta = offset[runner.req_indices.gpu[:num_tokens], qpos]
         runner.positions[:num_tokens] += delta
-        self.step = dict(token_ids=token_ids, first_child=first_child.to(torch.int32),
-                         next_sibling=next_sibling.to(torch.int32), valid=valid, qsl=qsl,
-                         delta=delta, num_tokens=num_tokens, num_drafts=n,
-                         parents=parents.long(), depths=depths.long())
+        self.step = dict(token_ids=token_ids, first_child=first_child,
+                         next_sibling=next_sibling, valid=valid, qsl=qsl, delta=delta,
+                         num_tokens=num_tokens, num_drafts=n, parents=parents, depths=depths)
 
     def verify(self, logits: torch.Tensor, spec_decode_metadata: Any, hidden_states: Any,
                aux_hidden_states: Any) -> SamplerOutput:
@@ -244,7 +241,7 @@ class DDTreeState:
     def _path_tokens(self) -> torch.Tensor:
         """[R, N, depth]: each node's path tokens below the root (itself first), -1 padded;
         found by following parents, at most ``depth`` hops."""
-        token_ids, parents = self.step["token_ids"], self.step["parents"]
+        token_ids, parents = self.step["token_ids"], self.step["parents"].long()
         cur = self.node.expand_as(parents)
         columns = []
         for _ in range(self.depth):
@@ -275,15 +272,13 @@ class DDTreeState:
 
     def _count(self, verdict: ops.Verdict) -> None:
         self.last_verdict = verdict
-        depth = torch.arange(1, verdict.accepted.shape[1] + 1, device=verdict.accepted.device)
-        off_line = ((verdict.accepted > 0) & (verdict.accepted != depth)).any(dim=1)
-        self._stats[0] += verdict.num_accepted.shape[0]
-        self._stats[1] = torch.maximum(self._stats[1], verdict.num_accepted.max().long())
-        self._stats[2] += off_line.sum()
+        self._verified_rows += verdict.num_accepted.shape[0]
+        torch.maximum(self._longest, verdict.num_accepted.max(), out=self._longest)
+        self._off_line += (verdict.accepted > self._index_line).any(dim=1).sum()
 
     def stats(self) -> dict[str, int]:
-        steps, longest, off_line = self._stats.tolist()
-        return {"verified_rows": steps, "longest_accepted": longest,
+        longest, off_line = torch.stack([self._longest.long(), self._off_line]).tolist()
+        return {"verified_rows": self._verified_rows, "longest_accepted": longest,
                 "paths_off_the_index_line": off_line}
 
     def _compact(self, verdict: ops.Verdict, hidden_states: Any, aux_hidden_states: Any

@@ -111,6 +111,11 @@ def bench_budget(budget: int, R: int, dev: str, repeats: int, gen: torch.Generat
     timings = {
         "build_from_logits": median_us(
             lambda: ops.build_tree_from_logits(roots, logits, budget), repeats, dev),
+        # The top-k alone, and as it was before the log-sum-exp kernel (a float32
+        # log-softmax of the whole logits first): on CPU topk_ranked still does that.
+        "topk_ranked": median_us(lambda: topk_ranked(logits, budget), repeats, dev),
+        "topk_of_log_softmax": median_us(
+            lambda: torch.topk(torch.log_softmax(logits.float(), -1), budget), repeats, dev),
         "build_from_topk": median_us(
             lambda: ops.build_tree(roots, logprobs, ids, budget), repeats, dev),
         "build_from_topk_1_thread": one_thread(lambda: median_us(

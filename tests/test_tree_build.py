@@ -184,3 +184,35 @@ def test_build_rejects_bad_input_by_name(kwargs, message) -> None:
 def test_build_from_logits_names_a_bad_logits_shape() -> None:
     with pytest.raises(ValueError, match="argument 'logits' must be 3-D"):
         ops.build_tree_from_logits(torch.tensor([0]), torch.zeros(1, 100), budget=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 2048, 5000])
+def test_row_logsumexp_matches_torch(dtype, vocab) -> None:
+    """The Triton log-sum-exp (CUDA's topk_ranked; here under Triton's interpreter) equals
+    float64 torch, for logits far from 0 (a naive exp overflows), rows partly and wholly
+    -inf, and vocabularies shorter than, equal to and spanning its block."""
+    from vllm_ddtree.row_logsumexp import row_logsumexp
+
+    x = torch.randn(3, 4, vocab, generator=torch.Generator().manual_seed(vocab)) * 8 + 120
+    x[0, 1] = float("-inf")
+    x[1, 2, :(vocab + 1) // 2] = float("-inf")
+    x = x.to(dtype)
+    got = row_logsumexp(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 4)
+    torch.testing.assert_close(got.double(), torch.logsumexp(x.double(), -1), rtol=1e-6,
+                               atol=1e-5)
+
+
+def test_row_logsumexp_gives_topk_ranked_logprobs() -> None:
+    """What topk_ranked computes on CUDA (top-k logits minus the log-sum-exp) equals what it
+    computes on CPU (log-softmax at the top-k ids)."""
+    from vllm_ddtree.row_logsumexp import row_logsumexp
+
+    logits = torch.randn(2, 3, 3000, generator=torch.Generator().manual_seed(3)) * 3
+    values, ids = topk_ranked(logits, 64)
+    picked = logits.gather(-1, ids)
+    torch.testing.assert_close(picked - row_logsumexp(logits)[..., None], values, rtol=0,
+                               atol=2e-6)
+    assert (values[..., 1:] <= values[..., :-1]).all()
+    assert torch.equal(ids[..., 0], logits.argmax(-1))

@@ -71,10 +71,15 @@ def topk_ranked(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     with no host sync. Which of several tokens tied exactly at the k-th value make the cut
     is torch.topk's choice.
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = torch.topk(logprobs, k, dim=-1)
+    values, ids = torch.topk(logits, k, dim=-1)  # the same tokens as log-softmax's top-k
+    if logits.is_cuda:  # one pass over the vocabulary, no float32 copy of the logits
+        from vllm_ddtree.row_logsumexp import row_logsumexp
+
+        logprobs = values.float() - row_logsumexp(logits.contiguous())[..., None]
+    else:  # on CPU torch's fused log-softmax is faster than a separate log-sum-exp
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
     # Two stable sorts: by id, then by value descending; equal values keep id order.
     ids, order = torch.sort(ids, dim=-1)
-    values = torch.gather(values, -1, order)
-    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
-    return values, torch.gather(ids, -1, order)
+    logprobs = torch.gather(logprobs, -1, order)
+    logprobs, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return logprobs, torch.gather(ids, -1, order)

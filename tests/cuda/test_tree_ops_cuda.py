@@ -3,6 +3,7 @@ verify and compact run inside a captured CUDA graph (so none syncs with the host
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from test_tree_build import build_cases
@@ -61,6 +62,20 @@ def test_tree_positions_cuda_equals_cpu() -> None:
     depths = torch.randint(0, 16, (7, 65), dtype=torch.int32)
     want = ops.tree_positions(seq_lens, depths)
     assert torch.equal(ops.tree_positions(seq_lens.to(CUDA), depths.to(CUDA)).cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_ranked_cuda_equals_cpu(dtype) -> None:
+    """On CUDA the log-probs are top-k logits minus a Triton log-sum-exp (no float32 copy
+    of the logits); on CPU, log-softmax at the top-k ids."""
+    logits = (torch.randn(8, 15, 151936, generator=torch.Generator().manual_seed(0)) * 3
+              ).to(dtype)
+    want_values, want_ids = ops.topk_ranked(logits, 256)
+    values, ids = ops.topk_ranked(logits.to(CUDA), 256)
+    torch.testing.assert_close(values.cpu(), want_values, rtol=0, atol=1e-5)
+    # Ids agree wherever values are not within rounding of a neighbour's.
+    distinct = (want_values[..., 1:] - want_values[..., :-1]).abs() > 1e-4
+    assert torch.equal(ids.cpu()[..., 1:][distinct], want_ids[..., 1:][distinct])
 
 
 def test_build_verify_compact_capture_in_a_cuda_graph() -> None:

@@ -24,12 +24,14 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from vllm_ddtree import ops
-from vllm_ddtree.attention.triton_tree_attention import BLOCK_M, TILE_N, tree_attention
+from vllm_ddtree.attention.triton_tree_attention import (
+    BLOCK_M,
+    SWEPT_CONFIGS,
+    TILE_N,
+    tree_attention,
+)
 
 HEADS, KV_HEADS, HEAD_SIZE, PAGE = 32, 8, 128, 16  # Qwen3-8B's attention shape
-# Kernel configurations swept beside the default: (block_m, tile_n, num_splits).
-CONFIGS = [(16, 16, 1), (16, 64, 1), (32, 32, 1), (64, 32, 1), (64, 64, 1),
-           (BLOCK_M, TILE_N, 2), (BLOCK_M, TILE_N, 4), (BLOCK_M, TILE_N, 8)]
 
 
 def median_ms(fn, repeats: int, dev: torch.device) -> float:
@@ -95,7 +97,7 @@ def bench(budget: int, num_reqs: int, context: int, repeats: int, dev: torch.dev
         raise SystemExit(f"bench_tree_attention: kernel (causal) != SDPA, max abs error {err}")
     tree_ms = median_ms(run(tree_index), repeats, dev)
     causal_ms = median_ms(run(causal_index), repeats, dev)
-    swept = {c: median_ms(run(tree_index, c), repeats, dev) for c in CONFIGS}
+    swept = {c: median_ms(run(tree_index, c), repeats, dev) for c in SWEPT_CONFIGS}
     best = min(swept, key=swept.get)
     return {"budget": budget, "reqs": num_reqs, "context": context, "tree_ms": tree_ms,
             "causal_ms": causal_ms, "overhead": tree_ms / causal_ms - 1,

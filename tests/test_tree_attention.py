@@ -122,13 +122,19 @@ def test_split_keys_match_dense_reference_in_bf16(case) -> None:
     assert err <= TOLERANCE[torch.bfloat16], f"max abs error {err}"
 
 
-def test_rejects_a_split_count_not_a_power_of_2() -> None:
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_splits=3), "argument 'num_splits' must be a power of 2"),
+    (dict(tile_n=8), "argument 'tile_n' must be a power of 2 of at least 16"),
+    (dict(block_m=24), "argument 'block_m' must be a power of 2 of at least 16"),
+])
+def test_rejects_bad_tiles_and_split_counts(kwargs, message) -> None:
+    # The interpreter would run tile_n=8; the GPU compiler rejects it (check_triton_compile).
     batch = make_batch(0, ["chain"], 4, [3], 4, 2, 32, 16, torch.float32)
-    with pytest.raises(ValueError, match="argument 'num_splits' must be a power of 2"):
+    with pytest.raises(ValueError, match=message):
         tree_attention(batch.query, batch.key_cache, batch.value_cache,
                        torch.empty_like(batch.query), batch.block_table, batch.seq_lens,
                        batch.query_start_loc, batch.tree_index, batch.ancestor_mask,
-                       batch.scale, num_splits=3)
+                       batch.scale, **kwargs)
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -161,3 +167,19 @@ def test_bench_tree_attention_runs(tmp_path) -> None:
     (row,) = json.loads(out.read_text())
     assert row["sdpa_max_abs_diff"] <= TOLERANCE[torch.bfloat16]
     assert row["tree_ms"] > 0 and row["sdpa_causal_ms"] > 0 and len(row["configs_ms"]) == 8
+
+
+def test_kernels_compile_for_hopper_and_blackwell() -> None:
+    """The interpreter runs what the GPU compiler may reject: scripts/check_triton_compile.py
+    compiles every kernel as the backend and the benchmark launch it, for sm_90 and sm_100,
+    to cubins, and checks their shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parent.parent / "scripts/check_triton_compile.py"
+    result = subprocess.run([sys.executable, str(script)],
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    compiled = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
+    for arch in ("sm_90", "sm_100"):
+        for kernel in ("_tree_attention_kernel", "_merge_splits", "_row_logsumexp_kernel"):
+            assert any(line.startswith(f"ok   {arch} {kernel} ") for line in compiled), (
+                arch, kernel)

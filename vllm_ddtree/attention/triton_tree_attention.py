@@ -25,6 +25,10 @@ import triton.language as tl
 
 BLOCK_M = 16  # rows (query token, query head) per program
 TILE_N = 32  # keys per loop step, across page boundaries (vLLM's Triton prefill tile)
+# Configurations (block_m, tile_n, num_splits) that scripts/bench_tree_attention.py times
+# beside the default, and scripts/check_triton_compile.py compiles.
+SWEPT_CONFIGS = [(16, 16, 1), (16, 64, 1), (32, 32, 1), (64, 32, 1), (64, 64, 1),
+                 (BLOCK_M, TILE_N, 2), (BLOCK_M, TILE_N, 4), (BLOCK_M, TILE_N, 8)]
 # Triton's CPU interpreter computes bf16/fp16 tl.dot wrongly (seen with Triton 3.9): there the
 # operands go to fp32 first. On a GPU the dots run in the cache's dtype.
 _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
@@ -178,6 +182,10 @@ def tree_attention(
                          f"multiple of the cache's {num_kv_heads} KV heads")
     if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("tree_attention: head_size must be the innermost, contiguous dim")
+    for name, tile in (("block_m", block_m), ("tile_n", tile_n)):
+        if tile < 16 or tile & (tile - 1):  # tl.dot needs 16 (the interpreter does not)
+            raise ValueError(f"tree_attention: argument '{name}' must be a power of 2 of at "
+                             f"least 16, got {tile}")
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"tree_attention: argument 'num_splits' must be a power of 2, got "
                          f"{num_splits}")

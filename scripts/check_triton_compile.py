@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Compile the package's Triton kernels for GPUs ahead of time, on any machine.
+
+The CPU tests run the kernels under Triton's interpreter, which accepts code that the GPU
+compiler rejects and knows no shared-memory limit. This runs each kernel's own Python
+launcher (the tree-attention and log-sum-exp wrappers) on CPU tensors shaped as the backend
+and the benchmark launch them, catches the launches instead of running them, and compiles
+each with Triton's compiler for Hopper (sm_90) and Blackwell (sm_100) down to a cubin. A
+compile error, or shared memory over a block's 227 KiB, fails it.
+
+    .venv/bin/python scripts/check_triton_compile.py [--targets 90,100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90 and sm_100
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+          torch.int32: "i32", torch.int64: "i64"}
+
+
+def signature(fn, args: tuple, constexprs: dict) -> dict[str, str]:
+    """Triton's types for one launch's arguments, as its launcher would infer them."""
+    types = {}
+    for name, value in zip(fn.arg_names, args):
+        if isinstance(value, torch.Tensor):
+            types[name] = "*" + DTYPES[value.dtype]
+        elif isinstance(value, bool):
+            types[name] = "i1"
+        elif isinstance(value, int):
+            types[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            types[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value)}")
+    return types | dict.fromkeys(constexprs, "constexpr")
+
+
+@contextlib.contextmanager
+def caught_launches(module, *names: str) -> Iterator[list]:
+    """Replace ``module``'s kernels by recorders: ``kernel[grid](...)`` records the launch."""
+    launches, originals = [], {name: getattr(module, name) for name in names}
+
+    class Recorder:
+        def __init__(self, fn) -> None:
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
+
+    for name, fn in originals.items():
+        setattr(module, name, Recorder(fn))
+    try:
+        yield launches
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+
+
+def tree_attention_launches() -> list:
+    """The attention launches of the backend (16 x 32 tiles, no splits) and of the
+    benchmark's sweep, over dtypes, head sizes, GQA ratios and page sizes."""
+    from vllm_ddtree.attention import triton_tree_attention as tta
+
+    cases = [(dtype, head, qpk, page, config)
+             for dtype, head, qpk, page in itertools.product(
+                 (torch.float16, torch.bfloat16, torch.float32), (64, 128), (1, 4, 8), (16, 32))
+             for config in [(tta.BLOCK_M, tta.TILE_N, 1)]]
+    cases += [(torch.bfloat16, head, qpk, 16, (16, 32, 1))
+              for head, qpk in [(32, 1), (96, 2), (256, 1), (256, 8), (128, 32)]]
+    cases += [(torch.bfloat16, 128, qpk, 16, config)
+              for qpk, config in itertools.product((1, 8), tta.SWEPT_CONFIGS)]
+    with caught_launches(tta, "_tree_attention_kernel", "_merge_splits") as launches:
+        for dtype, head, qpk, page, (block_m, tile_n, splits) in cases:
+            kv_heads, reqs, nodes = 2, 4, 65
+            query = torch.empty(reqs * nodes, kv_heads * qpk, head, dtype=dtype)
+            cache = torch.empty(64, page, kv_heads, head, dtype=dtype)
+            tta.tree_attention(
+                query, cache, cache, torch.empty_like(query),
+                torch.zeros(reqs, 16, dtype=torch.int32), torch.zeros(reqs, dtype=torch.int32),
+                torch.zeros(reqs + 1, dtype=torch.int32), torch.zeros(reqs, dtype=torch.int32),
+                torch.zeros(reqs, nodes, 3, dtype=torch.int32), 0.1, block_m=block_m,
+                tile_n=tile_n, num_splits=splits)
+    return launches
+
+
+def row_logsumexp_launches() -> list:
+    from vllm_ddtree import row_logsumexp as rl
+
+    with caught_launches(rl, "_row_logsumexp_kernel") as launches:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            rl.row_logsumexp(torch.empty(4, 15, 151936, dtype=dtype))
+    return launches
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", default="90,100", help="compute capabilities")
+    args = parser.parse_args()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    seen, failures = set(), []
+    launches = tree_attention_launches() + row_logsumexp_launches()
+    for (fn, call_args, constexprs), arch in itertools.product(
+            launches, (int(t) for t in args.targets.split(","))):
+        types = signature(fn, call_args, constexprs)
+        key = (fn.__name__, arch, tuple(types.items()), tuple(constexprs.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        what = f"sm_{arch} {fn.__name__} {constexprs} {types[fn.arg_names[0]]}"
+        try:
+            kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs),
+                                    target=GPUTarget("cuda", arch, 32))
+        except Exception as e:  # noqa: BLE001  (every failure is reported, then counted)
+            failures.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}")
+            print(f"FAIL {what}", flush=True)
+            continue
+        shared = kernel.metadata.shared
+        if shared > MAX_SHARED:
+            failures.append(f"{what}: {shared} bytes of shared memory")
+        print(f"ok   {what}: {shared} B shared, {len(kernel.asm['cubin'])} B cubin", flush=True)
+    print(f"\n{len(seen)} compiled with Triton {triton.__version__}, {len(failures)} failed")
+    for failure in failures:
+        print(f"  {failure}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

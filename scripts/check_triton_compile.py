@@ -6,7 +6,8 @@ compiler rejects and knows no shared-memory limit. This runs each kernel's own P
 launcher (the tree-attention and log-sum-exp wrappers) on CPU tensors shaped as the backend
 and the benchmark launch them, catches the launches instead of running them, and compiles
 each with Triton's compiler for Hopper (sm_90) and Blackwell (sm_100) down to a cubin. A
-compile error, or shared memory over a block's 227 KiB, fails it.
+compile error, or shared memory over a block's 227 KiB, fails it. Registers and stack (spill)
+bytes per thread are printed, from Triton's cuobjdump, to read beside the GPU benchmark.
 
     .venv/bin/python scripts/check_triton_compile.py [--targets 90,100]
 """
@@ -16,7 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,6 +107,22 @@ def row_logsumexp_launches() -> list:
     return launches
 
 
+def resource_usage(cubin: bytes) -> str:
+    """``REG:n STACK:n`` of a cubin, from the cuobjdump that Triton ships ('' without it)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    if not tool.is_file():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f", {usage[1]} registers, {usage[2]} B stack" if usage else ""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,7 +152,8 @@ def main() -> int:
         shared = kernel.metadata.shared
         if shared > MAX_SHARED:
             failures.append(f"{what}: {shared} bytes of shared memory")
-        print(f"ok   {what}: {shared} B shared, {len(kernel.asm['cubin'])} B cubin", flush=True)
+        print(f"ok   {what}: {shared} B shared{resource_usage(kernel.asm['cubin'])}",
+              flush=True)
     print(f"\n{len(seen)} compiled with Triton {triton.__version__}, {len(failures)} failed")
     for failure in failures:
         print(f"  {failure}")

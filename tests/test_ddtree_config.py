@@ -156,3 +156,47 @@ def test_request_parameters_the_tree_path_ignores_are_refused_by_name(name, valu
     with pytest.raises(VLLMValidationError, match=f"{name}=.* is not supported") as error:
         validate_request(params)
     assert error.value.parameter == name
+
+
+@pytest.mark.parametrize("budget, user_max, graphed", [
+    (64, None, None), (511, None, None), (512, None, 513), (1024, None, 1025),
+    (1024, 2050, None)])
+def test_large_budgets_keep_a_cuda_graph(tiny_models: Path, monkeypatch, budget, user_max,
+                                         graphed) -> None:
+    """vLLM's own sizing code, run on this config as on a Hopper GPU (the CPU platform turns
+    CUDA graphs off): from tree_budget 512 no verify step fits its default 512-token
+    ceiling and it refuses to start; ddtree's config then captures one request's step.
+    Capture sizes the user set are kept."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from vllm_ddtree.config import graphed_verify_step, verify_vllm_config
+
+    config = engine_config(tiny_models, {"method": "ddtree", "tree_budget": budget,
+                                         "model": str(tiny_models / "drafter")},
+                           max_num_batched_tokens=8192, max_num_seqs=64)
+    cc = config.compilation_config
+    cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes = user_max, None
+    assert graphed_verify_step(config) == graphed
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    verify_vllm_config(config)  # what startup does on a GPU
+    if graphed is not None:
+        assert (cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size) == ([graphed],
+                                                                               graphed)
+
+    def vllm_capture_sizes(max_size, sizes=None):
+        config.model_config.enforce_eager = False
+        cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes = max_size, sizes
+        config._set_cudagraph_sizes()
+        cc.adjust_cudagraph_sizes_for_spec_decode(config.uniform_decode_query_len)
+        return cc.cudagraph_capture_sizes
+
+    step = budget + 1
+    if graphed is not None:
+        with pytest.raises(ValueError, match=f"No valid cudagraph sizes .* multiple of {step}"):
+            vllm_capture_sizes(None)
+        assert vllm_capture_sizes(graphed, [graphed]) == [step]  # as verify_vllm_config sets
+    else:
+        sizes = vllm_capture_sizes(user_max)
+        assert sizes and all(size % step == 0 for size in sizes)

@@ -133,9 +133,32 @@ def verify_vllm_config(vllm_config: Any) -> None:
     model = vllm_config.model_config
     if model is not None:
         _verify_target_model(model)
+    from vllm.platforms import current_platform
+
+    step = graphed_verify_step(vllm_config)
+    if step is not None and current_platform.is_cuda_alike():
+        cc = vllm_config.compilation_config
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [step], step
     if getattr(vllm_config, "watermark_config", None) is not None:
         raise ValueError("watermark_config: method 'ddtree' does not watermark at tree "
                          "nodes; leave it unset")
+
+
+def graphed_verify_step(vllm_config: Any) -> int | None:
+    """The CUDA graph size (tokens) to capture where vLLM's default holds no verify step:
+    None to keep vLLM's sizes.
+
+    vLLM 0.32's V1 runner captures full CUDA graphs only for batch sizes that are multiples
+    of a request's verify step (tree_budget + 1 tokens), up to 512 tokens by default (1024
+    on Blackwell). From tree_budget 512 no multiple fits under 512, and vLLM stops at
+    startup ("No valid cudagraph sizes after rounding to multiple of 513"): then capture
+    one request's verify step, as vLLM's default does for budgets 256-511. Capture sizes
+    the user gave are kept."""
+    cc, spec = vllm_config.compilation_config, vllm_config.speculative_config
+    if cc.max_cudagraph_capture_size is not None or cc.cudagraph_capture_sizes is not None:
+        return None
+    step = spec.tree_budget + 1
+    return step if step > 512 else None
 
 
 def _verify_target_model(model: Any) -> None:

@@ -162,19 +162,23 @@ def node_choices(logits: torch.Tensor, request: torch.Tensor, num_sampled: list[
 
     sm = sampling_metadata
     temperature = sm.temperature[request]
-    processed = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
-    processed = apply_top_k_top_p(
-        processed, None if sm.top_k is None else sm.top_k[request],
+    # One float32 copy of the logits, then in place: a verify step samples at up to
+    # max_num_batched_tokens rows, each as wide as the vocabulary.
+    scores = logits.to(torch.float32, copy=True)
+    scores.div_(torch.where(temperature > 0, temperature, 1.0)[:, None])
+    scores = apply_top_k_top_p(
+        scores, None if sm.top_k is None else sm.top_k[request],
         None if sm.top_p is None else sm.top_p[request])
-    probs = processed.softmax(dim=-1, dtype=torch.float32)
-    # Exponential race: argmax(p / q) with q ~ Exp(1) is a sample from p. Seeded requests
-    # draw their rows from their own generator.
-    noise = torch.empty_like(probs).exponential_()
+    # Exponential race: argmax(p / q) with q ~ Exp(1) is a sample from p; p need not be
+    # normalized (a row's constant factor does not move its argmax). Seeded requests draw
+    # their rows from their own generator.
+    weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+    noise = torch.empty_like(weights).exponential_()
     if sm.generators:
         starts = [0]
         for n in num_sampled:
             starts.append(starts[-1] + n)
         for r, generator in sm.generators.items():
             noise[starts[r]:starts[r + 1]].exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = weights.div_(noise).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)

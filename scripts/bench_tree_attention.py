@@ -26,6 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 from vllm_ddtree import ops
 from vllm_ddtree.attention.triton_tree_attention import (
     BLOCK_M,
+    NUM_WARPS,
     SWEPT_CONFIGS,
     TILE_N,
     tree_attention,
@@ -73,11 +74,12 @@ def bench(budget: int, num_reqs: int, context: int, repeats: int, dev: torch.dev
     tree_index = torch.arange(num_reqs, device=dev, dtype=torch.int32)
     causal_index = torch.full_like(tree_index, -1)
 
-    def run(index, config=(BLOCK_M, TILE_N, 1)):
+    def run(index, config=(BLOCK_M, TILE_N, 1, NUM_WARPS)):
+        block_m, tile_n, splits, warps = config
         return lambda: tree_attention(query, key_cache, value_cache, out, block_table,
                                       seq_lens, qsl, index, trees.ancestor_mask,
-                                      HEAD_SIZE ** -0.5, block_m=config[0], tile_n=config[1],
-                                      num_splits=config[2])
+                                      HEAD_SIZE ** -0.5, block_m=block_m, tile_n=tile_n,
+                                      num_splits=splits, num_warps=warps)
 
     # The same keys and values, contiguous per request: [reqs, kv_heads, seq_len, head].
     slots = (block_table.long()[:, :, None] * PAGE + torch.arange(PAGE, device=dev)).flatten(1)
@@ -106,10 +108,11 @@ def bench(budget: int, num_reqs: int, context: int, repeats: int, dev: torch.dev
             "best_config": config_name(best), "best_config_ms": swept[best]}
 
 
-def config_name(config: tuple[int, int, int]) -> str:
-    """block_m x tile_n, and the split count when keys are split."""
-    m, n, splits = config
-    return f"{m}x{n}" + (f"/{splits} splits" if splits > 1 else "")
+def config_name(config: tuple[int, int, int, int]) -> str:
+    """block_m x tile_n, then the split count and the warps where not the default."""
+    m, n, splits, warps = config
+    return (f"{m}x{n}" + (f"/{splits} splits" if splits > 1 else "")
+            + (f"/{warps} warps" if warps != NUM_WARPS else ""))
 
 
 def main() -> None:
@@ -128,7 +131,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU, Triton interpreter"
     print(f"tree vs causal attention ({name}, bf16, {HEADS} heads, "
           f"{KV_HEADS} KV heads, head {HEAD_SIZE}, page {PAGE}; median ms; kernel "
-          f"{config_name((BLOCK_M, TILE_N, 1))} = rows (query token x head) x keys per step)\n")
+          f"{config_name((BLOCK_M, TILE_N, 1, NUM_WARPS))} = rows (query token x head) x "
+          f"keys per step)\n")
     print("| context | requests | budget | tree | causal, same kernel | tree overhead "
           "| SDPA causal | tree / SDPA | best config | tree, best config |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+LAUNCH_OPTIONS = ("num_warps", "num_stages")  # launch keywords that are not constexprs
 MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90 and sm_100
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
           torch.int32: "i32", torch.int64: "i64"}
@@ -79,13 +80,13 @@ def tree_attention_launches() -> list:
     cases = [(dtype, head, qpk, page, config)
              for dtype, head, qpk, page in itertools.product(
                  (torch.float16, torch.bfloat16, torch.float32), (64, 128), (1, 4, 8), (16, 32))
-             for config in [(tta.BLOCK_M, tta.TILE_N, 1)]]
-    cases += [(torch.bfloat16, head, qpk, 16, (16, 32, 1))
+             for config in [(tta.BLOCK_M, tta.TILE_N, 1, tta.NUM_WARPS)]]
+    cases += [(torch.bfloat16, head, qpk, 16, (16, 32, 1, 4))
               for head, qpk in [(32, 1), (96, 2), (256, 1), (256, 8), (128, 32)]]
     cases += [(torch.bfloat16, 128, qpk, 16, config)
               for qpk, config in itertools.product((1, 8), tta.SWEPT_CONFIGS)]
     with caught_launches(tta, "_tree_attention_kernel", "_merge_splits") as launches:
-        for dtype, head, qpk, page, (block_m, tile_n, splits) in cases:
+        for dtype, head, qpk, page, (block_m, tile_n, splits, warps) in cases:
             kv_heads, reqs, nodes = 2, 4, 65
             query = torch.empty(reqs * nodes, kv_heads * qpk, head, dtype=dtype)
             cache = torch.empty(64, page, kv_heads, head, dtype=dtype)
@@ -94,7 +95,7 @@ def tree_attention_launches() -> list:
                 torch.zeros(reqs, 16, dtype=torch.int32), torch.zeros(reqs, dtype=torch.int32),
                 torch.zeros(reqs + 1, dtype=torch.int32), torch.zeros(reqs, dtype=torch.int32),
                 torch.zeros(reqs, nodes, 3, dtype=torch.int32), 0.1, block_m=block_m,
-                tile_n=tile_n, num_splits=splits)
+                tile_n=tile_n, num_splits=splits, num_warps=warps)
     return launches
 
 
@@ -134,17 +135,19 @@ def main() -> int:
 
     seen, failures = set(), []
     launches = tree_attention_launches() + row_logsumexp_launches()
-    for (fn, call_args, constexprs), arch in itertools.product(
+    for (fn, call_args, kwargs), arch in itertools.product(
             launches, (int(t) for t in args.targets.split(","))):
+        options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+        constexprs = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
         types = signature(fn, call_args, constexprs)
-        key = (fn.__name__, arch, tuple(types.items()), tuple(constexprs.items()))
+        key = (fn.__name__, arch, tuple(types.items()), tuple(kwargs.items()))
         if key in seen:
             continue
         seen.add(key)
-        what = f"sm_{arch} {fn.__name__} {constexprs} {types[fn.arg_names[0]]}"
+        what = f"sm_{arch} {fn.__name__} {kwargs} {types[fn.arg_names[0]]}"
         try:
             kernel = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs),
-                                    target=GPUTarget("cuda", arch, 32))
+                                    target=GPUTarget("cuda", arch, 32), options=options)
         except Exception as e:  # noqa: BLE001  (every failure is reported, then counted)
             failures.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}")
             print(f"FAIL {what}", flush=True)

@@ -25,10 +25,13 @@ import triton.language as tl
 
 BLOCK_M = 16  # rows (query token, query head) per program
 TILE_N = 32  # keys per loop step, across page boundaries (vLLM's Triton prefill tile)
-# Configurations (block_m, tile_n, num_splits) that scripts/bench_tree_attention.py times
-# beside the default, and scripts/check_triton_compile.py compiles.
-SWEPT_CONFIGS = [(16, 16, 1), (16, 64, 1), (32, 32, 1), (64, 32, 1), (64, 64, 1),
-                 (BLOCK_M, TILE_N, 2), (BLOCK_M, TILE_N, 4), (BLOCK_M, TILE_N, 8)]
+NUM_WARPS = 4  # Triton's default
+# Configurations (block_m, tile_n, num_splits, num_warps) that scripts/bench_tree_attention.py
+# times beside the default, and scripts/check_triton_compile.py compiles. With 8 warps the
+# default tile takes about 185 registers per thread on sm_90 instead of about 250.
+SWEPT_CONFIGS = [(16, 16, 1, 4), (16, 64, 1, 4), (32, 32, 1, 4), (64, 32, 1, 4),
+                 (64, 64, 1, 4), (BLOCK_M, TILE_N, 2, 4), (BLOCK_M, TILE_N, 4, 4),
+                 (BLOCK_M, TILE_N, 8, 4), (BLOCK_M, TILE_N, 1, 8), (32, 32, 1, 8)]
 # Triton's CPU interpreter computes bf16/fp16 tl.dot wrongly (seen with Triton 3.9): there the
 # operands go to fp32 first. On a GPU the dots run in the cache's dtype.
 _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
@@ -168,12 +171,14 @@ def tree_attention(
     block_m: int = BLOCK_M,
     tile_n: int = TILE_N,
     num_splits: int = 1,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Causal attention for plain requests and tree attention for tree requests, one launch.
     Tile sizes (powers of 2, at least 16): block_m rows of (query token, query head) sharing
     a KV head (at least that many heads), tile_n keys per step. num_splits > 1 (a power of
     2) splits each request's keys across that many programs, whose partial results a second
-    launch merges: more parallelism when few requests face long contexts."""
+    launch merges: more parallelism when few requests face long contexts. num_warps: the
+    main kernel's warps per program."""
     num_tokens, num_heads, head_size = query.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -212,6 +217,7 @@ def tree_attention(
         scale, num_reqs, num_heads, head_size,
         QUERIES_PER_KV=queries_per_kv, HEAD=head, BLOCK_M=block_m, BLOCK_Q=block_q,
         PAGE=page, TILE_N=tile_n, NUM_SPLITS=num_splits, UPCAST_DOTS=_UPCAST_DOTS,
+        num_warps=num_warps,
     )
     if num_splits > 1 and num_tokens > 0:
         _merge_splits[(num_tokens * num_heads,)](

@@ -30,9 +30,10 @@ def test_kernel_on_gpu_matches_dense_reference(dtype, head_size, heads, page, ca
     assert err <= TOLERANCE.get(dtype, 3e-2), err
 
 
-@pytest.mark.parametrize("block_m, tile_n, splits", [(16, 16, 1), (32, 64, 1), (64, 64, 1),
-                                                     (16, 32, 4), (32, 32, 8)])
-def test_kernel_tile_sizes_and_splits_on_gpu(block_m, tile_n, splits) -> None:
+@pytest.mark.parametrize("block_m, tile_n, splits, warps", [
+    (16, 16, 1, 4), (32, 64, 1, 4), (64, 64, 1, 4), (16, 32, 4, 4), (32, 32, 8, 4),
+    (16, 32, 1, 8), (32, 32, 1, 8)])
+def test_kernel_tile_sizes_and_splits_on_gpu(block_m, tile_n, splits, warps) -> None:
     batch = make_batch(5, ["decode", "star", "prefill", "deep", "bushy"], 40, [1, 16, 0, 95, 64],
                        32, 8, 128, 16, torch.bfloat16)
     cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
@@ -41,7 +42,7 @@ def test_kernel_tile_sizes_and_splits_on_gpu(block_m, tile_n, splits) -> None:
     tree_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"], out,
                    cuda["block_table"], cuda["seq_lens"], cuda["query_start_loc"],
                    cuda["tree_index"], cuda["ancestor_mask"], batch.scale,
-                   block_m=block_m, tile_n=tile_n, num_splits=splits)
+                   block_m=block_m, tile_n=tile_n, num_splits=splits, num_warps=warps)
     err = (out.cpu().double() - dense_reference(batch)).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16], err
 

@@ -173,6 +173,38 @@ def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline,
 
 
 @pytest.mark.slow
+def test_the_largest_budget_is_lossless(tiny_models: Path, baseline, monkeypatch) -> None:
+    """tree_budget 1024, the most (top-1024 per depth, 33 mask words per node): verify steps
+    of 1,025 tokens per request, trees accepted deep and off the chain, lossless."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models / "target"))
+    prompts = PROMPTS[:6]
+    prompt_ids = {tuple(tokenizer.encode(p)): p for p in prompts}
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=3))
+    llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=2048,
+              # vLLM's input budget counts each request's 1,025 tokens and as many drafter
+              # slots: 4 requests fit whole in 8,200.
+              seed=0, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8200,
+              disable_log_stats=False,
+              speculative_config={"method": "ddtree", "tree_budget": 1024,
+                                  "model": str(tiny_models / "drafter")})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = {o.prompt: list(o.outputs[0].token_ids)
+           for o in llm.generate(prompts, params, use_tqdm=False)}
+    assert got == {p: baseline[p][:MAX_TOKENS] for p in prompts}
+    stats = ddtree_state(llm).stats()
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == (
+        1024 * metrics["vllm:spec_decode_num_drafts"])  # whole trees, none cut short
+
+
+@pytest.mark.slow
 def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch,
                                       scheduling) -> None:
     """Greedy, half the requests asking logprobs=3 (a quarter also prompt_logprobs=2), with

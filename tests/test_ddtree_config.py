@@ -46,6 +46,23 @@ def test_valid_config_maps_onto_dflash_with_tree_attention(tiny_models: Path) ->
     assert shallow.speculative_config.tree_depth == 3  # 3 nodes are at most 3 deep
 
 
+@pytest.mark.parametrize("budget", [3, 64, 1024])
+def test_drafter_reserves_its_block_not_the_tree(tiny_models: Path, budget) -> None:
+    """The drafter drafts tree_depth tokens whatever the budget: the scheduler reserves input
+    slots and KV lookahead for that block (as for a DFlash chain of that depth), not for
+    tree_budget, which at budget 1024 would hold 1,025 unused KV slots per request."""
+    ddtree = engine_config(tiny_models, {"method": "ddtree", "tree_budget": budget,
+                                         "model": str(tiny_models / "drafter")},
+                           max_num_batched_tokens=8192)
+    depth = ddtree.speculative_config.tree_depth
+    assert depth == min(budget, 7)
+    chain = engine_config(tiny_models, {"method": "dflash", "num_speculative_tokens": depth,
+                                        "model": str(tiny_models / "drafter")})
+    for config in (ddtree, chain):
+        assert config.speculative_config.max_num_new_slots_for_drafting == depth
+        assert config.num_lookahead_tokens == depth + 1
+
+
 @pytest.mark.parametrize("spec, engine_kwargs, message", [
     ({"tree_budget": 0}, {}, r"speculative_config.tree_budget must be an integer in \[1, 1024\]"),
     ({"tree_budget": 5000}, {}, r"speculative_config.tree_budget must be an integer"),

@@ -179,17 +179,27 @@ def test_the_largest_budget_is_lossless(tiny_models: Path, baseline, monkeypatch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.runner import DDTreeProposer
+    from vllm_ddtree.runner import DDTreeProposer, DDTreeState
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_models / "target"))
     prompts = PROMPTS[:6]
     prompt_ids = {tuple(tokenizer.encode(p)): p for p in prompts}
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=3))
+    trees_per_step = []
+    prepare_step = DDTreeState.prepare_step
+
+    def count_trees(self, spec_decode_metadata, num_tokens):
+        if spec_decode_metadata is not None:
+            trees_per_step.append(sum(n == 1024 for n in spec_decode_metadata.num_draft_tokens))
+        return prepare_step(self, spec_decode_metadata, num_tokens)
+
+    monkeypatch.setattr(DDTreeState, "prepare_step", count_trees)
     llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=2048,
-              # vLLM's input budget counts each request's 1,025 tokens and as many drafter
-              # slots: 4 requests fit whole in 8,200.
-              seed=0, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8200,
+              # Each request takes 1,025 tokens and its drafter's 7 slots of the input
+              # budget: 4 fit in 4,128 (with DFlash's accounting of 1,024 drafter slots
+              # each, only 2 did).
+              seed=0, dtype="float32", max_num_seqs=4, max_num_batched_tokens=4128,
               disable_log_stats=False,
               speculative_config={"method": "ddtree", "tree_budget": 1024,
                                   "model": str(tiny_models / "drafter")})
@@ -202,6 +212,7 @@ def test_the_largest_budget_is_lossless(tiny_models: Path, baseline, monkeypatch
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:spec_decode_num_draft_tokens"] == (
         1024 * metrics["vllm:spec_decode_num_drafts"])  # whole trees, none cut short
+    assert max(trees_per_step) == 4, trees_per_step
 
 
 @pytest.mark.slow

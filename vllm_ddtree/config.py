@@ -99,6 +99,7 @@ def deriving_drafter_config() -> Iterator[None]:
 
 def verify_vllm_config(vllm_config: Any) -> None:
     """In VllmConfig.__post_init__: checks that need the scheduler and attention settings."""
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from vllm_ddtree.attention.features import TreeAttentionFeatures
@@ -133,8 +134,6 @@ def verify_vllm_config(vllm_config: Any) -> None:
     model = vllm_config.model_config
     if model is not None:
         _verify_target_model(model)
-    from vllm.platforms import current_platform
-
     step = graphed_verify_step(vllm_config)
     if step is not None and current_platform.is_cuda_alike():
         cc = vllm_config.compilation_config

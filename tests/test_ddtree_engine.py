@@ -90,6 +90,23 @@ def test_greedy_is_lossless(tiny_models: Path, baseline, budget, spine, max_num_
         budget * metrics["vllm:spec_decode_num_drafts"])
 
 
+def verify_steps(monkeypatch) -> list[list[tuple[int, bool]]]:
+    """Records every verify step the runner prepares: per request, its number of drafts and
+    whether it has a stored tree."""
+    from vllm_ddtree.runner import DDTreeState
+
+    steps, prepare_step = [], DDTreeState.prepare_step
+
+    def record(self, spec_decode_metadata, num_tokens):
+        if spec_decode_metadata is not None:
+            steps.append([(n, rid in self.proposed_rows) for rid, n in zip(
+                self.runner.input_batch.req_ids, spec_decode_metadata.num_draft_tokens)])
+        return prepare_step(self, spec_decode_metadata, num_tokens)
+
+    monkeypatch.setattr(DDTreeState, "prepare_step", record)
+    return steps
+
+
 def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str], seed: int):
     """A drafter that knows the target's greedy continuation and shows it imperfectly: per
     depth the true token is ranked first (55%), second or third (30%), or missing (15%)."""
@@ -179,22 +196,14 @@ def test_the_largest_budget_is_lossless(tiny_models: Path, baseline, monkeypatch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.runner import DDTreeProposer, DDTreeState
+    from vllm_ddtree.runner import DDTreeProposer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_models / "target"))
     prompts = PROMPTS[:6]
     prompt_ids = {tuple(tokenizer.encode(p)): p for p in prompts}
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=3))
-    trees_per_step = []
-    prepare_step = DDTreeState.prepare_step
-
-    def count_trees(self, spec_decode_metadata, num_tokens):
-        if spec_decode_metadata is not None:
-            trees_per_step.append(sum(n == 1024 for n in spec_decode_metadata.num_draft_tokens))
-        return prepare_step(self, spec_decode_metadata, num_tokens)
-
-    monkeypatch.setattr(DDTreeState, "prepare_step", count_trees)
+    steps = verify_steps(monkeypatch)
     llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=2048,
               # Each request takes 1,025 tokens and its drafter's 7 slots of the input
               # budget: 4 fit in 4,128 (with DFlash's accounting of 1,024 drafter slots
@@ -212,6 +221,7 @@ def test_the_largest_budget_is_lossless(tiny_models: Path, baseline, monkeypatch
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:spec_decode_num_draft_tokens"] == (
         1024 * metrics["vllm:spec_decode_num_drafts"])  # whole trees, none cut short
+    trees_per_step = [sum(n == 1024 for n, _ in step) for step in steps]
     assert max(trees_per_step) == 4, trees_per_step
 
 
@@ -521,7 +531,7 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
     with trees being accepted (the oracle drafter), output stays the target's own."""
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.runner import DDTreeProposer, DDTreeState
+    from vllm_ddtree.runner import DDTreeProposer
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     prompts = [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
@@ -543,21 +553,11 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
     del llm
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=2))
-    cut_short = []  # trees whose nodes the scheduler cut (to stay within max_model_len)
-    prepare_step = DDTreeState.prepare_step
-
-    def record_cut_trees(self, spec_decode_metadata, num_tokens):
-        if spec_decode_metadata is not None:
-            cut_short.extend(rid for rid, n in zip(self.runner.input_batch.req_ids,
-                                                   spec_decode_metadata.num_draft_tokens)
-                             if 0 < n < self.budget and rid in self.proposed_rows)
-        return prepare_step(self, spec_decode_metadata, num_tokens)
-
-    monkeypatch.setattr(DDTreeState, "prepare_step", record_cut_trees)
+    steps, budget = verify_steps(monkeypatch), 12
     llm = LLM(model=str(tiny_models / "target"), **(settings | {"max_model_len": 256}),
               max_num_seqs=6,
               max_num_batched_tokens=64, num_gpu_blocks_override=10, disable_log_stats=False,
-              speculative_config={"method": "ddtree", "tree_budget": 12,
+              speculative_config={"method": "ddtree", "tree_budget": budget,
                                   "model": str(tiny_models / "drafter")})
     assert_scheduling(llm, scheduling)
     outputs = llm.generate(prompts, params(), use_tqdm=False)
@@ -566,6 +566,8 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
     assert got == {p: baseline[p][:min(m, room[p])] for p, m in zip(prompts, max_tokens)}
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
+    # Trees whose nodes the scheduler cut (to stay within max_model_len).
+    cut_short = [n for step in steps for n, stored in step if stored and 0 < n < budget]
     assert cut_short, "no tree was cut short"
     assert ddtree_state(llm).stats()["longest_accepted"] >= 3
 

@@ -1,6 +1,7 @@
 """Tree attention, both implementations (the Triton kernel under TRITON_INTERPRET=1, and the
-CPU SDPA path), against a dense float64 reference: dtypes, head sizes, GQA, page sizes, tree
-shapes, contexts across block boundaries, batches mixing tree, prefill and decode requests."""
+CPU path's torch ops), against a dense float64 reference: dtypes, head sizes, GQA, page
+sizes, tree shapes, contexts across block boundaries, batches mixing tree, prefill and decode
+requests."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import pytest
 import torch
 from attention_cases import SHAPES, dense_reference, make_batch
 
-from vllm_ddtree.attention.sdpa_tree_attention import tree_attention_sdpa
+from vllm_ddtree.attention.torch_tree_attention import tree_attention_torch
 from vllm_ddtree.attention.triton_tree_attention import SWEPT_CONFIGS, tree_attention
 
-IMPLS = {"triton": tree_attention, "sdpa": tree_attention_sdpa}
+IMPLS = {"triton": tree_attention, "torch": tree_attention_torch}
 # Max abs error against the float64 reference: fp32 is exact up to summation order; bf16
 # output and probabilities carry 8 mantissa bits (values are O(1)).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}

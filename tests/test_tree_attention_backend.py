@@ -1,7 +1,8 @@
 """The TREE_ATTN backend inside vLLM on the CPU: `--attention-backend TREE_ATTN` loads
 vllm_ddtree's CPU backend and, with no trees, generates exactly what CPU_ATTN generates;
 in a batch mixing tree and plain requests, the backend's metadata builder and forward (CPU_ATTN
-runs for plain requests, SDPA for tree requests) match the dense reference; and so do the
+runs for plain requests, masked attention for tree requests) match the dense reference; the
+tree path reads every packing of CPU_ATTN's cache right; and so do the
 CUDA backend's metadata builder and forward, run on CPU tensors under Triton's interpreter."""
 
 from __future__ import annotations
@@ -121,6 +122,40 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monke
     impl.forward(layer, batch.query, None, None, kv_cache, metadata, out)
     err = (out.double() - dense_reference(batch)).abs().max().item()
     assert err <= (1e-4 if dtype == torch.float32 else 3e-2), err
+
+
+@pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page, head_size", [(32, 64), (128, 128)])
+def test_strided_reading_of_every_cpu_attn_packing(isa, dtype, page, head_size) -> None:
+    # Each packing CPU_ATTN's cache-write op has (probed from the op on this machine, for
+    # every ISA's layout) reads through a strided view, and that view gives what the
+    # definition of the layout (a gather by `perm`) gives.
+    from vllm_ddtree.attention.cpu_backend import block_layout, read_tiles, strided_form
+
+    gen = torch.Generator().manual_seed(page + head_size)
+    cache = torch.randn(6, 2, page, head_size, generator=gen).to(dtype)
+    blocks = torch.tensor([4, 0, 5, 4])
+    for perm in block_layout(isa, dtype, page, head_size):
+        form = strided_form(perm, page, head_size)
+        assert form is not None
+        want = cache[blocks].flatten(2)[:, :, perm].view(4, 2, page, head_size)
+        assert torch.equal(read_tiles(cache, blocks, perm, form), want)
+        assert torch.equal(read_tiles(cache, blocks, perm, None), want)
+
+
+def test_a_packing_without_strided_form_is_gathered() -> None:
+    from vllm_ddtree.attention.cpu_backend import read_tiles, strided_form
+
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(16 * 8, generator=gen)
+    assert strided_form(perm, 16, 8) is None
+    cache = torch.randn(3, 2, 16, 8, generator=gen)
+    tiles = read_tiles(cache, torch.tensor([2, 1]), perm, None)
+    for n, block in enumerate((2, 1)):
+        for h in range(2):
+            for t, d in ((0, 0), (5, 3), (15, 7)):
+                assert tiles[n, h, t, d] == cache[block, h].flatten()[perm[t * 8 + d]]
 
 
 @pytest.mark.parametrize("kinds, contexts", [

@@ -1,10 +1,10 @@
-"""TREE_ATTN on the CPU: vLLM's CPU_ATTN for requests without a tree, SDPA with the tree mask
+"""TREE_ATTN on the CPU: vLLM's CPU_ATTN for requests without a tree, masked attention
 for tree requests (CPU_ATTN's kernel takes no mask).
 
 A batch without trees runs exactly as CPU_ATTN. In a mixed batch, each maximal run of
 consecutive plain requests is one CPU_ATTN call (its scheduler metadata rebuilt for the run
 when metadata is built, once per step), and the tree requests go through
-``tree_attention_sdpa``. The KV cache is CPU_ATTN's, written by CPU_ATTN's own op.
+``tree_attention_torch``. The KV cache is CPU_ATTN's, written by CPU_ATTN's own op.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
-from vllm_ddtree.attention.sdpa_tree_attention import tree_attention_sdpa
+from vllm_ddtree.attention.torch_tree_attention import tree_attention_torch, tree_bias
 from vllm_ddtree.tree import Verdict
 
 
@@ -55,6 +55,49 @@ def block_layout(isa: str, dtype: torch.dtype, block_size: int,
         perm[token * head_size + dim] = torch.arange(block_size * head_size)
         perms.append(perm)
     return perms[0], perms[1]
+
+
+def strided_form(perm: torch.Tensor, block_size: int,
+                 head_size: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``perm`` (see ``block_layout``) as sizes and strides of a strided view of a tile, when
+    it is one: tokens split as (t1, t0) and dims as (d1, d0) with offset linear in each (every
+    packing CPU_ATTN has is: keys dim-major for "vec", in 16-token slabs for "amx", dim pairs
+    for bf16). Reading through the view is a plain strided copy; a gather by ``perm`` was
+    about 6x slower. None when no such form fits."""
+    where = perm.view(block_size, head_size)
+    for slab in (s for s in range(1, block_size + 1) if block_size % s == 0):
+        for pack in (e for e in range(1, head_size + 1) if head_size % e == 0):
+            sizes = (block_size // slab, slab, head_size // pack, pack)
+            strides = tuple(int(where[t, d]) for t, d in (
+                (slab % block_size, 0), (1 % block_size, 0), (0, pack % head_size),
+                (0, 1 % head_size)))
+            if sum((n - 1) * st for n, st in zip(sizes, strides)) >= block_size * head_size:
+                continue  # would reach past the tile
+            view = torch.arange(block_size * head_size).as_strided(sizes, strides)
+            if torch.equal(view.reshape(block_size, head_size), where):
+                return sizes, strides
+    return None
+
+
+@functools.cache
+def block_reading(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple:
+    """``(perm, strided_form)`` for keys and for values, worked out once per layout."""
+    return tuple((perm, strided_form(perm, block_size, head_size))
+                 for perm in block_layout(isa, dtype, block_size, head_size))
+
+
+def read_tiles(cache: torch.Tensor, blocks: torch.Tensor, perm: torch.Tensor,
+               form: tuple[tuple[int, ...], tuple[int, ...]] | None) -> torch.Tensor:
+    """Blocks of one side (keys or values) of CPU_ATTN's cache, unpacked: a strided view
+    ``[n, heads, block_size, head_size]`` of a copy of the blocks."""
+    tiles = cache.index_select(0, blocks)  # [n, heads, block_size, head_size], packed
+    n, heads, block_size, head_size = tiles.shape
+    if form is None:
+        tiles = tiles.flatten(2)[:, :, perm]
+    else:
+        sizes, strides = form
+        tiles = tiles.as_strided((n, heads, *sizes), tiles.stride()[:2] + strides)
+    return tiles.reshape(n, heads, block_size, head_size)
 
 
 def compact_cpu_attn_caches(layers: list, slot_mapping: torch.Tensor, qsl: torch.Tensor,
@@ -108,6 +151,7 @@ class TreeAttentionCPUMetadata(CPUAttentionMetadata):
     tree_index: torch.Tensor | None = None
     ancestor_mask: torch.Tensor | None = None
     tree_requests: list[int] = field(default_factory=list)
+    tree_biases: dict[int, torch.Tensor] = field(default_factory=dict)  # for all layers
     plain_runs: list[PlainRun] = field(default_factory=list)
 
 
@@ -126,6 +170,9 @@ class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if not metadata.tree_requests:
             return metadata
         metadata.tree_index, metadata.ancestor_mask = index, trees.ancestor_mask
+        q_lens = common_attn_metadata.query_start_loc_cpu.diff().tolist()
+        metadata.tree_biases = {r: tree_bias(trees.ancestor_mask[kinds[r]], q_lens[r])
+                                for r in metadata.tree_requests}
         r = 0
         while r < num_reqs:
             if kinds[r] >= 0:
@@ -185,15 +232,14 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
                 scheduler_metadata=run.scheduler_metadata, s_aux=None, dynamic_causal=None,
                 k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                 kv_cache_dtype=self.kv_cache_dtype)
-        perm_k, perm_v = block_layout(layer.isa, key_cache.dtype, block_size, self.head_size)
+        reading = block_reading(layer.isa, key_cache.dtype, block_size, self.head_size)
 
         def read_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            def unpack(cache: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-                tiles = cache[blocks].flatten(2)[:, :, perm]  # [n, heads, block * head]
-                return tiles.view(len(blocks), num_kv_heads, block_size, -1).transpose(1, 2)
-            return unpack(key_cache, perm_k), unpack(value_cache, perm_v)
+            return tuple(read_tiles(cache, blocks, perm, form)
+                         for cache, (perm, form) in zip((key_cache, value_cache), reading))
 
-        tree_attention_sdpa(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
+        tree_attention_torch(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
                             md.query_start_loc, md.tree_index, md.ancestor_mask, self.scale,
-                            requests=md.tree_requests, read_blocks=read_blocks)
+                            requests=md.tree_requests, read_blocks=read_blocks,
+                            block_size=block_size, biases=md.tree_biases)
         return output

@@ -4,7 +4,8 @@ for tree requests (CPU_ATTN's kernel takes no mask).
 A batch without trees runs exactly as CPU_ATTN. In a mixed batch, each maximal run of
 consecutive plain requests is one CPU_ATTN call (its scheduler metadata rebuilt for the run
 when metadata is built, once per step), and the tree requests go through
-``tree_attention_torch``. The KV cache is CPU_ATTN's, written by CPU_ATTN's own op.
+``torch_tree_attention`` (planned once per step, run per layer). The KV cache is CPU_ATTN's,
+written by CPU_ATTN's own op.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
-from vllm_ddtree.attention.torch_tree_attention import tree_attention_torch, tree_bias
+from vllm_ddtree.attention.torch_tree_attention import TreeGroup, attend, plan_tree_groups
 from vllm_ddtree.tree import Verdict
 
 
@@ -148,10 +149,8 @@ class PlainRun:
 
 @dataclass
 class TreeAttentionCPUMetadata(CPUAttentionMetadata):
-    tree_index: torch.Tensor | None = None
-    ancestor_mask: torch.Tensor | None = None
     tree_requests: list[int] = field(default_factory=list)
-    tree_biases: dict[int, torch.Tensor] = field(default_factory=dict)  # for all layers
+    tree_groups: list[TreeGroup] = field(default_factory=list)  # planned once, for all layers
     plain_runs: list[PlainRun] = field(default_factory=list)
 
 
@@ -169,10 +168,10 @@ class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata.tree_requests = [r for r, t in enumerate(kinds) if t >= 0]
         if not metadata.tree_requests:
             return metadata
-        metadata.tree_index, metadata.ancestor_mask = index, trees.ancestor_mask
-        q_lens = common_attn_metadata.query_start_loc_cpu.diff().tolist()
-        metadata.tree_biases = {r: tree_bias(trees.ancestor_mask[kinds[r]], q_lens[r])
-                                for r in metadata.tree_requests}
+        cm = common_attn_metadata
+        metadata.tree_groups = plan_tree_groups(
+            cm.query_start_loc_cpu, cm.seq_lens[:num_reqs], cm.block_table_tensor, index,
+            trees.ancestor_mask, metadata.tree_requests, self.block_size)
         r = 0
         while r < num_reqs:
             if kinds[r] >= 0:
@@ -238,8 +237,5 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
             return tuple(read_tiles(cache, blocks, perm, form)
                          for cache, (perm, form) in zip((key_cache, value_cache), reading))
 
-        tree_attention_torch(query, key_cache, value_cache, output, md.block_table, md.seq_lens,
-                            md.query_start_loc, md.tree_index, md.ancestor_mask, self.scale,
-                            requests=md.tree_requests, read_blocks=read_blocks,
-                            block_size=block_size, biases=md.tree_biases)
+        attend(query, output, md.tree_groups, self.scale, read_blocks)
         return output

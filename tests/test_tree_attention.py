@@ -83,19 +83,28 @@ def test_both_implementations_agree_on_many_random_batches() -> None:
             assert (run(impl, batch).double() - want).abs().max() <= 1e-4, (impl, a, b)
 
 
-def test_torch_path_pads_requests_of_similar_length_into_one_group() -> None:
+def test_torch_path_pads_requests_of_similar_length_into_one_group(monkeypatch) -> None:
     # Four requests of 52-58 keys share one padded group: the prefill's 5 query rows are
     # padded to 12 and three requests' keys to 58, and padding must stay hidden. The request
     # of 312 keys would make the padding cost more than PADDING_SLACK, so it goes alone.
+    from vllm_ddtree.attention import torch_tree_attention
     from vllm_ddtree.attention.torch_tree_attention import plan_tree_groups
 
     batch = make_batch(1, ["bushy", "chain", "prefill", "deep", "star"], 12,
                        [40, 46, 50, 300, 44], 4, 2, 32, 16, torch.float32)
     assert batch.query_start_loc.diff().tolist() == [12, 12, 5, 12, 12]
-    groups = plan_tree_groups(batch.query_start_loc, batch.seq_lens, batch.block_table,
-                              batch.tree_index, batch.ancestor_mask, list(range(5)), 16)
-    assert [(tuple(g.query_rows.shape), g.num_keys) for g in groups] == [((4, 12), 58),
-                                                                         ((1, 12), 312)]
+    def plan() -> list[tuple[tuple[int, int], int]]:
+        groups = plan_tree_groups(batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                  batch.tree_index, batch.ancestor_mask, list(range(5)), 16, 4)
+        return [(tuple(g.query_rows.shape), g.num_keys) for g in groups]
+
+    assert plan() == [((4, 12), 58), ((1, 12), 312)]
+    err = (run("torch", batch).double() - dense_reference(batch)).abs().max().item()
+    assert err <= TOLERANCE[torch.float32], err
+    # Capped at two requests' scores (4 heads x 12 rows x up to 58 keys each), the four
+    # make two groups of two.
+    monkeypatch.setattr(torch_tree_attention, "GROUP_MAX_SCORES", 2 * 4 * 12 * 58)
+    assert plan() == [((2, 12), 55), ((2, 12), 58), ((1, 12), 312)]
     err = (run("torch", batch).double() - dense_reference(batch)).abs().max().item()
     assert err <= TOLERANCE[torch.float32], err
 

@@ -171,7 +171,7 @@ class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         cm = common_attn_metadata
         metadata.tree_groups = plan_tree_groups(
             cm.query_start_loc_cpu, cm.seq_lens[:num_reqs], cm.block_table_tensor, index,
-            trees.ancestor_mask, metadata.tree_requests, self.block_size)
+            trees.ancestor_mask, metadata.tree_requests, self.block_size, self.num_heads)
         r = 0
         while r < num_reqs:
             if kinds[r] >= 0:

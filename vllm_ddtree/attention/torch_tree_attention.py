@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-# A group grows while its padded work (query rows x keys) stays within this factor of its
-# requests' own.
+# A group grows while its padded work (query rows x keys) stays within PADDING_SLACK of its
+# requests' own, and its float32 scores (x query heads) within GROUP_MAX_SCORES: 64 MiB,
+# where one request of a 32-head model at budget 1024 and 8k context alone has 1 GiB.
 PADDING_SLACK = 1.5
+GROUP_MAX_SCORES = 1 << 24
 
 
 def unpack_mask(words: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -44,10 +46,10 @@ class TreeGroup:
 
 def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      block_table: torch.Tensor, tree_index: torch.Tensor,
-                     ancestor_mask: torch.Tensor, requests: list[int],
-                     block_size: int) -> list[TreeGroup]:
+                     ancestor_mask: torch.Tensor, requests: list[int], block_size: int,
+                     num_heads: int) -> list[TreeGroup]:
     """Groups of ``requests`` (tree requests; one with ``tree_index`` -1 attends causally),
-    by key span, each growing while padding stays within ``PADDING_SLACK``."""
+    by key span, each growing while within ``PADDING_SLACK`` and ``GROUP_MAX_SCORES``."""
     qsl, lens, trees = query_start_loc.tolist(), seq_lens.tolist(), tree_index.tolist()
     groups, current = [], []
 
@@ -58,7 +60,8 @@ def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
 
     for r in sorted(requests, key=lambda r: lens[r]):
         own, padded = work(current + [r])
-        if current and padded > PADDING_SLACK * own:
+        if current and (padded > PADDING_SLACK * own
+                        or padded * num_heads > GROUP_MAX_SCORES):
             groups.append(current)
             current = []
         current.append(r)
@@ -146,7 +149,7 @@ def tree_attention_torch(
     requests without a tree attend causally."""
     groups = plan_tree_groups(query_start_loc, seq_lens, block_table, tree_index,
                               ancestor_mask, list(range(seq_lens.shape[0])),
-                              key_cache.shape[1])
+                              key_cache.shape[1], query.shape[1])
 
     def read_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (key_cache.index_select(0, blocks).transpose(1, 2),

@@ -42,6 +42,7 @@ class TreeGroup:
     out_rows: torch.Tensor  # long [n]: the step's rows this group writes
     result_rows: torch.Tensor  # long [n]: where they are in the group's [R * q_max] results
     num_keys: int
+    rows: slice | None  # a group of one request: its rows, sliced rather than gathered
 
 
 def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -100,7 +101,8 @@ def _group(members: list[int], qsl: list[int], lens: list[int], trees: list[int]
         out_rows.append(torch.arange(qsl[r], qsl[r + 1]))
         result_rows.append(torch.arange(i * q_max, i * q_max + q_len))
     return TreeGroup(query_rows, blocks, bias, bias_from, torch.cat(out_rows),
-                     torch.cat(result_rows), keys_max)
+                     torch.cat(result_rows), keys_max,
+                     slice(qsl[members[0]], qsl[members[0] + 1]) if n == 1 else None)
 
 
 def attend(query: torch.Tensor, out: torch.Tensor, groups: list[TreeGroup], scale: float,
@@ -114,7 +116,8 @@ def attend(query: torch.Tensor, out: torch.Tensor, groups: list[TreeGroup], scal
         kv_heads = k_tiles.shape[1]
         per_kv = num_heads // kv_heads
         # The query heads sharing a KV head are rows of one matrix, so each is one matmul.
-        q = query.index_select(0, g.query_rows.flatten()).float()
+        one = g.rows is not None
+        q = (query[g.rows] if one else query.index_select(0, g.query_rows.flatten())).float()
         q = q.view(n, q_max, kv_heads, per_kv, head_size).permute(0, 2, 3, 1, 4)
         q = q.reshape(n * kv_heads, per_kv * q_max, head_size)
         scores = torch.bmm(q, _spans(k_tiles, n, g.num_keys).transpose(1, 2)).mul_(scale)
@@ -123,7 +126,10 @@ def attend(query: torch.Tensor, out: torch.Tensor, groups: list[TreeGroup], scal
         o = torch.bmm(scores.softmax(-1), _spans(v_tiles, n, g.num_keys))
         o = o.view(n, kv_heads, per_kv, q_max, head_size).permute(0, 3, 1, 2, 4)
         o = o.reshape(n * q_max, num_heads, head_size)
-        out.index_copy_(0, g.out_rows, o.index_select(0, g.result_rows).to(out.dtype))
+        if one:
+            out[g.rows] = o
+        else:
+            out.index_copy_(0, g.out_rows, o.index_select(0, g.result_rows).to(out.dtype))
 
 
 def _spans(tiles: torch.Tensor, n: int, num_keys: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ paged cache, attended with an explicit mask (committed context, then ancestors).
 batch layout is read on the host, which is fine on the CPU and is why the GPU path is the
 Triton kernel. Work is planned once per step (``plan_tree_groups``) and run per layer
 (``attend``): requests of similar length form a group, padded to its longest, so a layer
-costs a few ops per group rather than per request (8 requests of 17 nodes: about half the
+costs a few ops per group rather than per request (8 requests of 17 nodes: 0.5-0.7x the
 time of one by one). The attention is written out (two batched matmuls and a softmax, in
 float32): with a mask and grouped heads PyTorch's CPU SDPA takes its unfused math path, which
 measured about twice as slow at verify-step shapes.

@@ -93,6 +93,7 @@ def test_torch_path_pads_requests_of_similar_length_into_one_group(monkeypatch) 
     batch = make_batch(1, ["bushy", "chain", "prefill", "deep", "star"], 12,
                        [40, 46, 50, 300, 44], 4, 2, 32, 16, torch.float32)
     assert batch.query_start_loc.diff().tolist() == [12, 12, 5, 12, 12]
+
     def plan() -> list[tuple[tuple[int, int], int]]:
         groups = plan_tree_groups(batch.query_start_loc, batch.seq_lens, batch.block_table,
                                   batch.tree_index, batch.ancestor_mask, list(range(5)), 16, 4)

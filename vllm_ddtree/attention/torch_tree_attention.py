@@ -41,8 +41,11 @@ class TreeGroup:
     bias_from: int  # keys before it are every request's context: visible to all, no bias
     out_rows: torch.Tensor  # long [n]: the step's rows this group writes
     result_rows: torch.Tensor  # long [n]: where they are in the group's [R * q_max] results
-    num_keys: int
     rows: slice | None  # a group of one request: its rows, sliced rather than gathered
+
+    @property
+    def num_keys(self) -> int:  # the group's longest key span
+        return self.bias_from + self.bias.shape[-1]
 
 
 def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -52,20 +55,16 @@ def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     """Groups of ``requests`` (tree requests; one with ``tree_index`` -1 attends causally),
     by key span, each growing while within ``PADDING_SLACK`` and ``GROUP_MAX_SCORES``."""
     qsl, lens, trees = query_start_loc.tolist(), seq_lens.tolist(), tree_index.tolist()
-    groups, current = [], []
-
-    def work(members: list[int]) -> tuple[int, int]:
-        q_lens = [qsl[r + 1] - qsl[r] for r in members]
-        own = sum(q * lens[r] for q, r in zip(q_lens, members))
-        return own, len(members) * max(q_lens) * max(lens[r] for r in members)
-
-    for r in sorted(requests, key=lambda r: lens[r]):
-        own, padded = work(current + [r])
-        if current and (padded > PADDING_SLACK * own
+    groups, current, own, q_max = [], [], 0, 0
+    for r in sorted(requests, key=lambda r: lens[r]):  # r has the group's longest key span
+        q_len = qsl[r + 1] - qsl[r]
+        padded = (len(current) + 1) * max(q_max, q_len) * lens[r]
+        if current and (padded > PADDING_SLACK * (own + q_len * lens[r])
                         or padded * num_heads > GROUP_MAX_SCORES):
             groups.append(current)
-            current = []
+            current, own, q_max = [], 0, 0
         current.append(r)
+        own, q_max = own + q_len * lens[r], max(q_max, q_len)
     if current:
         groups.append(current)
     return [_group(members, qsl, lens, trees, block_table, ancestor_mask, block_size)
@@ -101,7 +100,7 @@ def _group(members: list[int], qsl: list[int], lens: list[int], trees: list[int]
         out_rows.append(torch.arange(qsl[r], qsl[r + 1]))
         result_rows.append(torch.arange(i * q_max, i * q_max + q_len))
     return TreeGroup(query_rows, blocks, bias, bias_from, torch.cat(out_rows),
-                     torch.cat(result_rows), keys_max,
+                     torch.cat(result_rows),
                      slice(qsl[members[0]], qsl[members[0] + 1]) if n == 1 else None)
 
 

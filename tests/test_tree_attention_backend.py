@@ -131,17 +131,17 @@ def test_strided_reading_of_every_cpu_attn_packing(isa, dtype, page, head_size) 
     # Each packing CPU_ATTN's cache-write op has (probed from the op on this machine, for
     # every ISA's layout) reads through a strided view, and that view gives what the
     # definition of the layout (a gather by `perm`) gives.
-    from vllm_ddtree.attention.cpu_backend import block_layout, read_tiles, strided_form
+    from vllm_ddtree.attention.cpu_backend import block_reading, read_tiles
 
     gen = torch.Generator().manual_seed(page + head_size)
     cache = torch.randn(6, 2, page, head_size, generator=gen).to(dtype)
     blocks = torch.tensor([4, 0, 5, 4])
-    for perm in block_layout(isa, dtype, page, head_size):
-        form = strided_form(perm, page, head_size)
+    for perm, form, strides in block_reading(isa, dtype, page, head_size):
         assert form is not None
+        assert (strides is None) == (isa == "amx")  # amx: tokens in slabs of 16
         want = cache[blocks].flatten(2)[:, :, perm].view(4, 2, page, head_size)
-        assert torch.equal(read_tiles(cache, blocks, perm, form), want)
-        assert torch.equal(read_tiles(cache, blocks, perm, None), want)
+        for reading in ((perm, form, strides), (perm, form, None), (perm, None, None)):
+            assert torch.equal(read_tiles(cache, blocks, reading), want)
 
 
 def test_a_packing_without_strided_form_is_gathered() -> None:
@@ -151,11 +151,49 @@ def test_a_packing_without_strided_form_is_gathered() -> None:
     perm = torch.randperm(16 * 8, generator=gen)
     assert strided_form(perm, 16, 8) is None
     cache = torch.randn(3, 2, 16, 8, generator=gen)
-    tiles = read_tiles(cache, torch.tensor([2, 1]), perm, None)
+    tiles = read_tiles(cache, torch.tensor([2, 1]), (perm, None, None))
     for n, block in enumerate((2, 1)):
         for h in range(2):
             for t, d in ((0, 0), (5, 3), (15, 7)):
                 assert tiles[n, h, t, d] == cache[block, h].flatten()[perm[t * 8 + d]]
+
+
+@pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compaction_of_every_cpu_attn_packing(isa, dtype) -> None:
+    # Compaction in CPU_ATTN's packed cache (the native op over slot views for vec and
+    # vec16, the host path for amx's slabs) moves exactly what the reference moves in the
+    # unpacked keys and values, bit for bit, in every layer.
+    from tree_cases import follow_choices, random_topk
+
+    from vllm_ddtree import ops, reference
+    from vllm_ddtree.attention.cpu_backend import CPUAttnCompaction, block_layout
+
+    page, head_size, heads, num_blocks = 32, 64, 2, 5
+    roots, logprobs, ids = random_topk(7, 3, 6, 8, 8, ties=False)
+    trees = ops.build_tree(roots, logprobs, ids, 20)
+    verdict = ops.verify_tree(trees, follow_choices(trees, 7, 0.9), 6)
+    assert int((verdict.accepted > torch.arange(2, 8)).sum()) > 0  # some entries move
+    gen = torch.Generator().manual_seed(1)
+    qsl = torch.arange(4, dtype=torch.int32) * 21
+    slots = torch.randperm(num_blocks * page, generator=gen)[:63]
+    layer = SimpleNamespace(isa=isa)
+    caches = [torch.randn(num_blocks, heads, page, 2 * head_size, generator=gen).to(dtype)
+              for _ in range(2)]
+
+    def unpacked(cache: torch.Tensor) -> list[torch.Tensor]:
+        tiles = cache.view(num_blocks, heads, 2, page * head_size)
+        return [tiles[:, :, side][:, :, perm].view(num_blocks, heads, page, head_size)
+                for side, perm in enumerate(block_layout(isa, dtype, page, head_size))]
+
+    want = [t.clone() for c in caches for t in unpacked(c)]
+    reference.compact_tree(want, torch.empty(0), slots, qsl, verdict.accepted,
+                           verdict.num_accepted)
+    compact = CPUAttnCompaction([(layer, c) for c in caches])
+    assert len(compact.packed) == (2 if isa == "amx" else 0)
+    compact(slots, qsl, verdict)
+    got = [t for c in caches for t in unpacked(c)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("kinds, contexts", [

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # A group grows while its padded work (query rows x keys) stays within PADDING_SLACK of its
@@ -25,10 +26,10 @@ PADDING_SLACK = 1.5
 GROUP_MAX_SCORES = 1 << 24
 
 
-def unpack_mask(words: torch.Tensor, num_keys: int) -> torch.Tensor:
+def unpack_mask(words: np.ndarray, num_keys: int) -> np.ndarray:
     """Bool [rows, num_keys] from int32 bit words [rows, W] (bit j of word j // 32)."""
-    bit = torch.arange(num_keys, device=words.device)
-    return ((words[:, bit // 32] >> (bit % 32)) & 1).bool()
+    little = words.astype("<i4", copy=False).view(np.uint8)  # bit j at byte j // 8, bit j % 8
+    return np.unpackbits(little, axis=1, count=num_keys, bitorder="little").view(bool)
 
 
 @dataclass
@@ -53,7 +54,8 @@ def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      ancestor_mask: torch.Tensor, requests: list[int], block_size: int,
                      num_heads: int) -> list[TreeGroup]:
     """Groups of ``requests`` (tree requests; one with ``tree_index`` -1 attends causally),
-    by key span, each growing while within ``PADDING_SLACK`` and ``GROUP_MAX_SCORES``."""
+    by key span, each growing while within ``PADDING_SLACK`` and ``GROUP_MAX_SCORES``.
+    Host work, once per step, in NumPy (a few microseconds an op where torch takes several)."""
     qsl, lens, trees = query_start_loc.tolist(), seq_lens.tolist(), tree_index.tolist()
     groups, current, own, q_max = [], [], 0, 0
     for r in sorted(requests, key=lambda r: lens[r]):  # r has the group's longest key span
@@ -67,40 +69,42 @@ def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         own, q_max = own + q_len * lens[r], max(q_max, q_len)
     if current:
         groups.append(current)
+    block_table, ancestor_mask = block_table.numpy(), ancestor_mask.numpy()
     return [_group(members, qsl, lens, trees, block_table, ancestor_mask, block_size)
             for members in groups]
 
 
 def _group(members: list[int], qsl: list[int], lens: list[int], trees: list[int],
-           block_table: torch.Tensor, ancestor_mask: torch.Tensor,
-           block_size: int) -> TreeGroup:
+           block_table: np.ndarray, ancestor_mask: np.ndarray, block_size: int) -> TreeGroup:
     q_lens = [qsl[r + 1] - qsl[r] for r in members]
     q_max, keys_max = max(q_lens), max(lens[r] for r in members)
     blocks_max = -(-keys_max // block_size)
     n = len(members)
-    query_rows = torch.empty(n, q_max, dtype=torch.long)
-    blocks = torch.empty(n, blocks_max, dtype=torch.long)
+    query_rows = np.empty((n, q_max), dtype=np.int64)
+    blocks = np.empty((n, blocks_max), dtype=np.int64)
     bias_from = min(lens[r] - q for r, q in zip(members, q_lens))
-    bias = torch.full((n, q_max, keys_max - bias_from), float("-inf"))
+    bias = np.full((n, q_max, keys_max - bias_from), -np.inf, dtype=np.float32)
     out_rows, result_rows = [], []
     for i, (r, q_len) in enumerate(zip(members, q_lens)):
         seq_len, ctx = lens[r], lens[r] - q_len
         query_rows[i] = qsl[r]
-        query_rows[i, :q_len] = torch.arange(qsl[r], qsl[r + 1])
+        query_rows[i, :q_len] = np.arange(qsl[r], qsl[r + 1])
         owned = -(-seq_len // block_size)
         blocks[i] = block_table[r, 0]
         blocks[i, :owned] = block_table[r, :owned]
         if trees[r] >= 0:
             allowed = unpack_mask(ancestor_mask[trees[r], :q_len], q_len)
         else:
-            allowed = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+            allowed = np.tri(q_len, dtype=bool)
         bias[i, :q_len, :ctx - bias_from] = 0.0
-        bias[i, :q_len, ctx - bias_from:seq_len - bias_from].masked_fill_(allowed, 0.0)
+        bias[i, :q_len, ctx - bias_from:seq_len - bias_from][allowed] = 0.0
         bias[i, q_len:] = bias[i, 0]  # padding rows: any finite row
-        out_rows.append(torch.arange(qsl[r], qsl[r + 1]))
-        result_rows.append(torch.arange(i * q_max, i * q_max + q_len))
-    return TreeGroup(query_rows, blocks, bias, bias_from, torch.cat(out_rows),
-                     torch.cat(result_rows),
+        out_rows.append(np.arange(qsl[r], qsl[r + 1]))
+        result_rows.append(np.arange(i * q_max, i * q_max + q_len))
+    return TreeGroup(torch.from_numpy(query_rows), torch.from_numpy(blocks),
+                     torch.from_numpy(bias), bias_from,
+                     torch.from_numpy(np.concatenate(out_rows)),
+                     torch.from_numpy(np.concatenate(result_rows)),
                      slice(qsl[members[0]], qsl[members[0] + 1]) if n == 1 else None)
 
 

@@ -28,7 +28,7 @@ GROUP_MAX_SCORES = 1 << 24
 
 def unpack_mask(words: np.ndarray, num_keys: int) -> np.ndarray:
     """Bool [rows, num_keys] from int32 bit words [rows, W] (bit j of word j // 32)."""
-    little = words.astype("<i4", copy=False).view(np.uint8)  # bit j at byte j // 8, bit j % 8
+    little = np.ascontiguousarray(words, dtype="<i4").view(np.uint8)  # bit j: byte j // 8
     return np.unpackbits(little, axis=1, count=num_keys, bitorder="little").view(bool)
 
 

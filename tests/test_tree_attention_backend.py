@@ -125,7 +125,7 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monke
 
 
 @pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page, head_size", [(32, 64), (128, 128)])
 def test_strided_reading_of_every_cpu_attn_packing(isa, dtype, page, head_size) -> None:
     # Each packing CPU_ATTN's cache-write op has (probed from the op on this machine, for
@@ -159,7 +159,7 @@ def test_a_packing_without_strided_form_is_gathered() -> None:
 
 
 @pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compaction_of_every_cpu_attn_packing(isa, dtype) -> None:
     # Compaction in CPU_ATTN's packed cache (the native op over slot views for vec and
     # vec16, the host path for amx's slabs) moves exactly what the reference moves in the

@@ -131,17 +131,19 @@ def test_strided_reading_of_every_cpu_attn_packing(isa, dtype, page, head_size) 
     # Each packing CPU_ATTN's cache-write op has (probed from the op on this machine, for
     # every ISA's layout) reads through a strided view, and that view gives what the
     # definition of the layout (a gather by `perm`) gives.
-    from vllm_ddtree.attention.cpu_backend import block_reading, read_tiles
+    from vllm_ddtree.attention.cpu_backend import block_reading, read_tiles, slot_views
 
     gen = torch.Generator().manual_seed(page + head_size)
     cache = torch.randn(6, 2, page, head_size, generator=gen).to(dtype)
     blocks = torch.tensor([4, 0, 5, 4])
-    for perm, form, strides in block_reading(isa, dtype, page, head_size):
+    for perm, form in block_reading(isa, dtype, page, head_size):
         assert form is not None
-        assert (strides is None) == (isa == "amx")  # amx: tokens in slabs of 16
         want = cache[blocks].flatten(2)[:, :, perm].view(4, 2, page, head_size)
-        for reading in ((perm, form, strides), (perm, form, None), (perm, None, None)):
-            assert torch.equal(read_tiles(cache, blocks, reading), want)
+        assert torch.equal(read_tiles(cache, blocks, perm, form), want)
+        assert torch.equal(read_tiles(cache, blocks, perm, None), want)
+    # A single token and dim stride (a 4-D view of the packing) except amx's 16-token slabs.
+    kv = torch.zeros(6, 2, page, 2 * head_size, dtype=dtype)
+    assert (slot_views(SimpleNamespace(isa=isa), kv) is None) == (isa == "amx")
 
 
 def test_a_packing_without_strided_form_is_gathered() -> None:
@@ -151,7 +153,7 @@ def test_a_packing_without_strided_form_is_gathered() -> None:
     perm = torch.randperm(16 * 8, generator=gen)
     assert strided_form(perm, 16, 8) is None
     cache = torch.randn(3, 2, 16, 8, generator=gen)
-    tiles = read_tiles(cache, torch.tensor([2, 1]), (perm, None, None))
+    tiles = read_tiles(cache, torch.tensor([2, 1]), perm, None)
     for n, block in enumerate((2, 1)):
         for h in range(2):
             for t, d in ((0, 0), (5, 3), (15, 7)):

@@ -81,67 +81,47 @@ def strided_form(perm: torch.Tensor, block_size: int,
     return None
 
 
-def token_dim_strides(form: tuple[tuple[int, ...], tuple[int, ...]] | None
-                      ) -> tuple[int, int] | None:
-    """A strided form's single token stride and single dim stride, when it has them (the
-    packings of ISAs vec and vec16 do; amx packs tokens in slabs of 16)."""
-    if form is None:
-        return None
-    (t1, t0, d1, d0), (st1, st0, sd1, sd0) = form
-    token, dim = _one_stride(t1, t0, st1, st0), _one_stride(d1, d0, sd1, sd0)
-    return None if token is None or dim is None else (token, dim)
-
-
-def _one_stride(outer: int, inner: int, outer_stride: int, inner_stride: int) -> int | None:
-    """The single stride of an index split as (outer, inner), if it has one."""
-    if outer == 1 or outer_stride == inner * inner_stride:
-        return inner_stride
-    return outer_stride if inner == 1 else None
-
-
 @functools.cache
 def block_reading(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple:
-    """``(perm, strided_form, token_dim_strides)`` for keys and for values, worked out once
-    per layout."""
-    readings = []
-    for perm in block_layout(isa, dtype, block_size, head_size):
-        form = strided_form(perm, block_size, head_size)
-        readings.append((perm, form, token_dim_strides(form)))
-    return tuple(readings)
+    """``(perm, strided_form)`` for keys and for values, worked out once per layout."""
+    return tuple((perm, strided_form(perm, block_size, head_size))
+                 for perm in block_layout(isa, dtype, block_size, head_size))
 
 
-def read_tiles(cache: torch.Tensor, blocks: torch.Tensor, reading: tuple) -> torch.Tensor:
-    """Blocks of one side (keys or values) of CPU_ATTN's cache, unpacked: ``[n, heads,
-    block_size, head_size]``, a strided view of a copy of the blocks. With a token and a dim
-    stride (``reading``'s last entry) it is a view of the copy's packing as it is, and the
-    caller's reordering copy is the only other."""
-    perm, form, strides = reading
+def read_tiles(cache: torch.Tensor, blocks: torch.Tensor, perm: torch.Tensor,
+               form: tuple[tuple[int, ...], tuple[int, ...]] | None) -> torch.Tensor:
+    """Blocks of one side (keys or values) of CPU_ATTN's cache, unpacked: a strided view
+    ``[n, heads, block_size, head_size]`` of a copy of the blocks (``reshape`` copies again
+    only where the packing has no single token and dim stride: amx's slabs)."""
     tiles = cache.index_select(0, blocks)  # [n, heads, block_size, head_size], packed
     n, heads, block_size, head_size = tiles.shape
-    if strides is not None:
-        return tiles.as_strided(tiles.shape, (*tiles.stride()[:2], *strides))
     if form is None:
         tiles = tiles.flatten(2)[:, :, perm]
     else:
-        sizes, form_strides = form
-        tiles = tiles.as_strided((n, heads, *sizes), tiles.stride()[:2] + form_strides)
+        sizes, strides = form
+        tiles = tiles.as_strided((n, heads, *sizes), tiles.stride()[:2] + strides)
     return tiles.reshape(n, heads, block_size, head_size)
 
 
 def slot_views(layer, cache: torch.Tensor) -> list[torch.Tensor] | None:
     """One layer's CPU_ATTN keys and values as views ``[blocks, kv_heads, block_size,
-    head_size]`` of its cache, the form ``compact_tree`` takes, when each side's packing has
-    a token and a dim stride. None otherwise."""
+    head_size]`` of its cache, the form ``compact_tree`` takes, when each side's packing is
+    one (one token stride and one dim stride: ISAs vec and vec16; amx packs tokens in slabs
+    of 16). None otherwise."""
     blocks, heads, page, width = cache.shape
     head_size = width // 2
     tiles = cache.view(blocks, heads, 2, page * head_size)  # keys tile, values tile
     views = []
-    for side, (_, _, strides) in enumerate(
-            block_reading(layer.isa, cache.dtype, page, head_size)):
-        if strides is None:
+    for side, (_, form) in enumerate(block_reading(layer.isa, cache.dtype, page, head_size)):
+        if form is None:
             return None
-        views.append(tiles[:, :, side].as_strided(
-            (blocks, heads, page, head_size), (*tiles.stride()[:2], *strides)))
+        sizes, strides = form
+        split = tiles[:, :, side].as_strided((blocks, heads, *sizes),
+                                             tiles.stride()[:2] + strides)
+        try:
+            views.append(split.view(blocks, heads, page, head_size))
+        except RuntimeError:  # no single token or dim stride
+            return None
     return views
 
 
@@ -298,8 +278,8 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
         reading = block_reading(layer.isa, key_cache.dtype, block_size, self.head_size)
 
         def read_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return tuple(read_tiles(cache, blocks, r)
-                         for cache, r in zip((key_cache, value_cache), reading))
+            return tuple(read_tiles(cache, blocks, perm, form)
+                         for cache, (perm, form) in zip((key_cache, value_cache), reading))
 
         attend(query, output, md.tree_groups, self.scale, read_blocks)
         return output

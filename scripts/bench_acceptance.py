@@ -27,20 +27,44 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # timers reach the runner
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on the CPU platform only
 
 
-def modes(drafter: str, budgets: list[int], depth: int) -> list[tuple[str, dict | None]]:
+def modes(drafter: str, budgets: list[int], depth: int, dynamic: Sequence[str] = (),
+          max_reqs: int = 256) -> list[tuple[str, dict | None]]:
     out: list[tuple[str, dict | None]] = [("none", None), (
         "dflash", {"method": "dflash", "model": drafter, "num_speculative_tokens": depth})]
     for spine in (True, False):
         for b in budgets:
             out.append((f"ddtree B={b}{' spine' if spine else ''}", {
                 "method": "ddtree", "model": drafter, "tree_budget": b, "tree_spine": spine}))
+    for pair in dynamic:
+        b, tokens = (int(x) for x in pair.split(":"))
+        out.append((f"ddtree B={b} spine, {tokens} tokens/step", {
+            "method": "ddtree", "model": drafter, "tree_budget": b,
+            "num_speculative_tokens_per_batch_size": step_token_schedule(tokens, b, max_reqs)}))
     return out
+
+
+def step_token_schedule(tokens: int, budget: int, max_reqs: int) -> list[tuple[int, int, int]]:
+    """vLLM's num_speculative_tokens_per_batch_size for trees that keep a verify step within
+    ``tokens`` tokens: R requests get the budget where it fits, else 2**k - 1 nodes for the
+    largest 2**k <= tokens // R (at least 1). Steps of 2**k tokens per request keep the
+    tiers few: vLLM captures CUDA graphs for each."""
+    ranges: list[tuple[int, int, int]] = []
+    for reqs in range(1, max_reqs + 1):
+        per_request = tokens // reqs
+        nodes = budget if per_request > budget else (1 << per_request.bit_length() >> 1) - 1
+        nodes = max(1, nodes)
+        if ranges and ranges[-1][2] == nodes:
+            ranges[-1] = (ranges[-1][0], reqs, nodes)
+        else:
+            ranges.append((reqs, reqs, nodes))
+    return ranges
 
 
 class StepTimers:
@@ -265,6 +289,9 @@ def main() -> int:
     parser.add_argument("--cuda-graphs", action="store_true", help="default: eager")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--dynamic", nargs="*", default=[], metavar="B:TOKENS",
+                        help="also ddtree at budget B with vLLM's dynamic speculative "
+                             "decoding, trees cut to keep a verify step near TOKENS tokens")
     parser.add_argument("--modes", nargs="*", help="run only these modes (names as printed)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args()
@@ -283,7 +310,8 @@ def main() -> int:
 
     results = []
     for conc in args.concurrency:
-        for name, spec in modes(args.drafter, args.budgets, block - 1):
+        for name, spec in modes(args.drafter, args.budgets, block - 1, args.dynamic,
+                                max(args.concurrency)):
             if args.modes and name not in args.modes:
                 continue
             print(f"--- {name}, concurrency {conc}", file=sys.stderr, flush=True)

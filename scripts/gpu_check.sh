@@ -68,11 +68,11 @@ elif [ -n "${TARGET_MODEL:-}" ] && [ -n "${DRAFTER_MODEL:-}" ]; then
   check "acceptance benchmark" "$OUT/bench_acceptance.md" \
     "$PY" scripts/bench_acceptance.py --target "$TARGET_MODEL" --drafter "$DRAFTER_MODEL" \
     ${PROMPTS:+--prompts "$PROMPTS"} --dtype bfloat16 --cuda-graphs --concurrency 1 8 32 \
-    --budgets 16 64 256 --repeats 3 --out "$OUT/bench_acceptance"
+    --budgets 16 64 256 --dynamic 64:512 --repeats 3 --out "$OUT/bench_acceptance"
 elif [ -f "$PAIR/heldout_prompts.json" ]; then
   check "acceptance benchmark" "$OUT/bench_acceptance.md" \
     "$PY" scripts/bench_acceptance.py --pair "$PAIR" --cuda-graphs --concurrency 1 8 32 \
-    --repeats 3 --out "$OUT/bench_acceptance"
+    --dynamic 64:512 --repeats 3 --out "$OUT/bench_acceptance"
 else
   echo "no checkpoints given and no tiny pair at $PAIR: the acceptance benchmark did not run" \
     | tee "$OUT/bench_acceptance.md"

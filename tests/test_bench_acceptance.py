@@ -21,7 +21,7 @@ def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> Non
         [sys.executable, str(REPO / "scripts" / "bench_acceptance.py"),
          "--target", str(tiny_models / "target"), "--drafter", str(tiny_models / "drafter"),
          "--prompts", str(prompts), "--max-tokens", "6", "--budgets", "4", "8",
-         "--repeats", "2", "--out", str(out)],
+         "--repeats", "2", "--dynamic", "8:6", "--out", str(out)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -29,7 +29,7 @@ def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> Non
     assert data["identical_greedy_outputs"] is True
     results = {r["mode"]: r for r in data["results"]}
     assert list(results) == ["none", "dflash", "ddtree B=4 spine", "ddtree B=8 spine",
-                             "ddtree B=4", "ddtree B=8"]
+                             "ddtree B=4", "ddtree B=8", "ddtree B=8 spine, 6 tokens/step"]
     none = results.pop("none")
     assert none["verify_steps"] == 0 and none["acceptance_length"] == 1.0
     assert none["target_forwards_per_token"] == 1.0  # one forward per token, prefill included
@@ -47,3 +47,15 @@ def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> Non
     assert "| ddtree B=8 | 1 |" in table and "identical across modes: yes" in table
     for png in ("acceptance_vs_budget_c1.png", "accepted_length_histogram_c1.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_token_schedule_keeps_verify_steps_near_the_target() -> None:
+    from bench_acceptance import step_token_schedule
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    schedule = step_token_schedule(64, budget=16, max_reqs=40)
+    assert schedule == [(1, 3, 16), (4, 4, 15), (5, 8, 7), (9, 16, 3), (17, 40, 1)]
+    lookup = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=40,
+                                              vllm_num_speculative_tokens=16)
+    for reqs in range(1, 41):
+        assert reqs * (lookup[reqs] + 1) <= max(64, 2 * reqs)

@@ -135,6 +135,26 @@ def test_dotted_cli_keys_work_like_json(tiny_models: Path) -> None:
             EngineArgs.from_cli_args(args).create_engine_config()
 
 
+def test_dynamic_schedule_is_taken_from_the_cli(tiny_models: Path) -> None:
+    """vLLM's num_speculative_tokens_per_batch_size (JSON lists) sets tree nodes per batch
+    size; the scheduler's lookup clamps them to tree_budget (vLLM's rule for any method)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", str(tiny_models / "target"), "--max-model-len", "512",
+                              "--speculative-config", json.dumps({
+                                  "method": "ddtree", "model": str(tiny_models / "drafter"),
+                                  "tree_budget": 16, "num_speculative_tokens_per_batch_size":
+                                  [[1, 2, 32], [3, 8, 7], [9, 256, 0]]})])
+    spec = EngineArgs.from_cli_args(args).create_engine_config().speculative_config
+    assert spec.num_speculative_tokens == 16 and spec.tree_depth == 7
+    lookup = build_dynamic_sd_schedule_lookup(spec.num_speculative_tokens_per_batch_size, 10,
+                                              spec.num_speculative_tokens)
+    assert lookup[1:] == [16, 16, 7, 7, 7, 7, 7, 7, 0, 0]
+
+
 def test_drafter_keeps_its_own_attention_backend(tiny_models: Path) -> None:
     """Only the target attends over trees: the drafter takes speculative_config's
     attention_backend (or vLLM's default), as for method dflash, and never TREE_ATTN."""

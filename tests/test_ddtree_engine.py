@@ -90,18 +90,20 @@ def test_greedy_is_lossless(tiny_models: Path, baseline, budget, spine, max_num_
         budget * metrics["vllm:spec_decode_num_drafts"])
 
 
-def verify_steps(monkeypatch) -> list[list[tuple[int, bool]]]:
-    """Records every verify step the runner prepares: per request, its number of drafts and
-    whether it has a stored tree."""
+def verify_steps(monkeypatch) -> list[list[tuple[int, bool, bool]]]:
+    """Records every verify step the runner prepares: per request, its number of drafts,
+    whether it has a stored tree, and whether it is verified as a tree (not a chain)."""
     from vllm_ddtree.runner import DDTreeState
 
     steps, prepare_step = [], DDTreeState.prepare_step
 
     def record(self, spec_decode_metadata, num_tokens):
+        prepare_step(self, spec_decode_metadata, num_tokens)
         if spec_decode_metadata is not None:
-            steps.append([(n, rid in self.proposed_rows) for rid, n in zip(
-                self.runner.input_batch.req_ids, spec_decode_metadata.num_draft_tokens)])
-        return prepare_step(self, spec_decode_metadata, num_tokens)
+            drafts = spec_decode_metadata.num_draft_tokens
+            as_tree = self._row_info.np[len(drafts):2 * len(drafts)] >= 0
+            steps.append([(n, rid in self.proposed_rows, bool(tree)) for rid, n, tree in zip(
+                self.runner.input_batch.req_ids, drafts, as_tree)])
 
     monkeypatch.setattr(DDTreeState, "prepare_step", record)
     return steps
@@ -221,8 +223,60 @@ def test_the_largest_budget_is_lossless(tiny_models: Path, baseline, monkeypatch
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:spec_decode_num_draft_tokens"] == (
         1024 * metrics["vllm:spec_decode_num_drafts"])  # whole trees, none cut short
-    trees_per_step = [sum(n == 1024 for n, _ in step) for step in steps]
+    trees_per_step = [sum(n == 1024 for n, *_ in step) for step in steps]
     assert max(trees_per_step) == 4, trees_per_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("busy", [12, 4, 0])
+def test_dynamic_speculative_decoding_cuts_trees_losslessly(
+        tiny_models: Path, baseline, monkeypatch, scheduling, busy) -> None:
+    """vLLM's num_speculative_tokens_per_batch_size picks the tree's size per batch size:
+    16 nodes for up to 5 scheduled requests, ``busy`` (12 or 4 nodes, or no drafts) for 6-8.
+    Trees accepted deep and off the chain (the oracle drafter); output equals the target
+    alone's, and the metrics count the nodes verified."""
+    from vllm_ddtree.runner import DDTreeProposer
+
+    _, llm = generate(tiny_models, None, max_tokens=1)
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=5))
+    steps, asked, propose = verify_steps(monkeypatch), [], DDTreeProposer.propose
+
+    def record(self, num_speculative_tokens, *args, **kwargs):
+        asked.append(num_speculative_tokens)
+        return propose(self, num_speculative_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DDTreeProposer, "propose", record)
+    spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16,
+            "num_speculative_tokens_per_batch_size": [(1, 5, 16), (6, 8, busy)]}
+    # Requests of different lengths: the batch shrinks from 8 to 1 as they finish.
+    from vllm import LLM, SamplingParams
+
+    lengths = [MAX_TOKENS - (5 * i) % 13 for i in range(len(PROMPTS))]
+    llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
+              seed=0, dtype="float32", max_num_seqs=8, disable_log_stats=False,
+              speculative_config=spec)
+    outputs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m,
+                                                    ignore_eos=True) for m in lengths],
+                           use_tqdm=False)
+    assert_scheduling(llm, scheduling)
+    got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    assert got == {p: baseline[p][:m] for p, m in zip(PROMPTS, lengths)}
+    assert set(asked) == {busy, 16}, sorted(set(asked))
+    sizes = [n for step in steps for n, _, _ in step if n > 0]
+    assert set(sizes) == ({busy, 16} if busy else {16}), sorted(set(sizes))
+    # The spine is the first 7 nodes: trees cut to 4 are verified as the drafter's chain.
+    assert {(n, tree) for step in steps for n, _, tree in step if n > 0} == (
+        {(16, True)} | ({(busy, busy > 7)} if busy else set()))
+    assert ddtree_state(llm).stats()["longest_accepted"] >= 3
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    drafts, nodes = (metrics[f"vllm:spec_decode_num_{k}"] for k in ("drafts", "draft_tokens"))
+    if scheduling == "sync":  # async also verifies steps of requests already finished
+        assert nodes == sum(sizes)
+    big, rest = divmod(nodes - busy * drafts, 16 - busy)  # nodes = 16 big + busy (drafts - big)
+    assert rest == 0 and 0 < big <= drafts and (big < drafts) == (busy > 0), (nodes, drafts)
 
 
 @pytest.mark.slow
@@ -567,7 +621,7 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
     # Trees whose nodes the scheduler cut (to stay within max_model_len).
-    cut_short = [n for step in steps for n, stored in step if stored and 0 < n < budget]
+    cut_short = [n for step in steps for n, stored, _ in step if stored and 0 < n < budget]
     assert cut_short, "no tree was cut short"
     assert ddtree_state(llm).stats()["longest_accepted"] >= 3
 

@@ -107,6 +107,26 @@ def test_tree_invariants(case) -> None:
             assert bits == ancestors
 
 
+@settings(max_examples=400, deadline=None)
+@given(case=build_cases(max_depth=8, max_vocab=64), cut=st.floats(0, 1))
+def test_a_trees_first_nodes_are_the_tree_of_that_budget(case, cut) -> None:
+    """Nodes 0..b of a budget-B tree are the budget-b tree (b <= B), links past b cut: so a
+    tree cut to fewer drafts (vLLM's dynamic speculative decoding picks how many per step)
+    is still the best tree of its size."""
+    roots, logprobs, ids = random_topk(case["seed"], case["num_reqs"], case["depth"],
+                                       case["vocab"], case["k"], case["ties"])
+    big = ops.build_tree(roots, logprobs, ids, case["budget"], case["spine"])
+    b = max(1, round(cut * case["budget"]))
+    small = ops.build_tree(roots, logprobs, ids, b, case["spine"])
+    for name in ("token_ids", "parents", "depths", "scores"):
+        assert torch.equal(getattr(big, name)[:, :b + 1], getattr(small, name)), name
+    for name in ("first_child", "next_sibling"):
+        links = getattr(big, name)[:, :b + 1]
+        assert torch.equal(torch.where(links > b, -1, links), getattr(small, name)), name
+    words = small.ancestor_mask.shape[-1]
+    assert torch.equal(big.ancestor_mask[:, :b + 1, :words], small.ancestor_mask)
+
+
 @pytest.mark.parametrize("budget", [16, 256, 1024])
 @pytest.mark.parametrize("spine", [False, True])
 def test_build_split_across_threads_equals_one_thread(budget, spine) -> None:

@@ -15,8 +15,9 @@ The runner patch (patches/0005) calls in at four points; everything else is here
 4. ``DDTreeProposer._sample_draft_tokens``: the drafter's logits become trees (``build_tree``).
 
 Rows with drafts but no stored tree (placeholders, and structured-output requests, which
-draft the greedy chain) are verified as chains, at most the drafter's depth deep; rows
-without drafts just take the target's token.
+draft the greedy chain) are verified as chains, at most the drafter's depth deep, and so are
+spine trees of which a step verifies no more than the spine; rows without drafts just take
+the target's token.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class DDTreeProposer(DFlashProposer):
         spec = vllm_config.speculative_config
         super().__init__(vllm_config, device, runner)
         self.budget, self.depth, self.spine = spec.tree_budget, spec.tree_depth, spec.tree_spine
-        self.ddtree_state = DDTreeState(runner, self.budget, self.depth)
+        self.ddtree_state = DDTreeState(runner, self.budget, self.depth, self.spine)
         self._roots: torch.Tensor | None = None
 
     def _create_draft_vllm_config(self) -> Any:
@@ -52,10 +53,18 @@ class DDTreeProposer(DFlashProposer):
 
     def propose(self, num_speculative_tokens: int, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, *args, **kwargs) -> torch.Tensor:
+        """The first ``num_speculative_tokens`` nodes of each tree: ``tree_budget``, or
+        fewer where vLLM's dynamic speculative decoding (``num_speculative_tokens_per_batch_
+        size``) picks fewer for this batch size; a best-first tree's first b nodes are the
+        best tree of b nodes. The drafter always drafts the whole depth."""
         self._roots = next_token_ids
+        if num_speculative_tokens == 0:  # its forward still runs: the drafter's context
+            self.ddtree_state.store(None, [])
+            return super().propose(0, target_token_ids, target_positions,
+                                   target_hidden_states, next_token_ids, *args, **kwargs)
         super().propose(self.depth, target_token_ids, target_positions, target_hidden_states,
                         next_token_ids, *args, **kwargs)
-        return self.ddtree_state.proposed.token_ids[:, 1:]
+        return self.ddtree_state.proposed.token_ids[:, 1:num_speculative_tokens + 1]
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any
                              ) -> tuple[torch.Tensor, None]:
@@ -93,8 +102,12 @@ class DDTreeProposer(DFlashProposer):
 
 
 class DDTreeState:
-    def __init__(self, runner: Any, budget: int, depth: int) -> None:
+    def __init__(self, runner: Any, budget: int, depth: int, spine: bool) -> None:
         self.runner, self.budget, self.depth = runner, budget, depth
+        # With the spine, a tree's first `depth` nodes are the drafter's greedy chain: a
+        # step that verifies no more of them (a small budget, or a tree cut by dynamic
+        # speculative decoding) is verified as that chain, with causal attention.
+        self._chain_drafts = depth if spine else 0
         self.num_nodes = budget + 1
         self.trees = tree_batch.TreeBatch(runner.max_num_reqs, budget, runner.device)
         tree_batch.install(runner.vllm_config, self.trees)
@@ -128,12 +141,14 @@ class DDTreeState:
         self.last_verdict: ops.Verdict | None = None
         self._kv_groups: list | None = None
 
-    def store(self, trees: DraftTrees, req_ids: list[str | None]) -> None:
-        """Keep this step's trees; a row whose id is None is not a tree (a chain)."""
+    def store(self, trees: DraftTrees | None, req_ids: list[str | None]) -> None:
+        """Keep this step's trees (None: none drafted); a row whose id is None is not a
+        tree (a chain)."""
         self.proposed = trees
         self.proposed_rows = {rid: i for i, rid in enumerate(req_ids) if rid is not None}
-        self._links[:, :len(req_ids)].copy_(torch.stack(
-            [trees.depths, trees.first_child, trees.next_sibling, trees.parents]))
+        if trees is not None:
+            self._links[:, :len(req_ids)].copy_(torch.stack(
+                [trees.depths, trees.first_child, trees.next_sibling, trees.parents]))
 
     def prepare_step(self, spec_decode_metadata: Any, num_tokens: int) -> None:
         """After the runner's _prepare_inputs: this step's trees, positions and masks."""
@@ -147,7 +162,7 @@ class DDTreeState:
         R = len(drafts)
         info = self._row_info.np
         for i, (rid, n) in enumerate(zip(runner.input_batch.req_ids[:R], drafts)):
-            tree = self.proposed_rows.get(rid, -1) if n > 0 else -1
+            tree = self.proposed_rows.get(rid, -1) if n > self._chain_drafts else -1
             info[i], info[R + i], info[2 * R + i] = (
                 tree if tree >= 0 else self._chain_row, tree, n)
         row_info = self._row_info.copy_to_gpu(3 * R)

@@ -235,6 +235,7 @@ def test_dynamic_speculative_decoding_cuts_trees_losslessly(
     16 nodes for up to 5 scheduled requests, ``busy`` (12 or 4 nodes, or no drafts) for 6-8.
     Trees accepted deep and off the chain (the oracle drafter); output equals the target
     alone's, and the metrics count the nodes verified."""
+    from vllm_ddtree import ops
     from vllm_ddtree.runner import DDTreeProposer
 
     _, llm = generate(tiny_models, None, max_tokens=1)
@@ -249,6 +250,9 @@ def test_dynamic_speculative_decoding_cuts_trees_losslessly(
         return propose(self, num_speculative_tokens, *args, **kwargs)
 
     monkeypatch.setattr(DDTreeProposer, "propose", record)
+    builds, build = [], ops.build_tree_from_logits
+    monkeypatch.setattr(ops, "build_tree_from_logits",
+                        lambda *args: builds.append(args[2]) or build(*args))
     spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16,
             "num_speculative_tokens_per_batch_size": [(1, 5, 16), (6, 8, busy)]}
     # Requests of different lengths: the batch shrinks from 8 to 1 as they finish.
@@ -265,6 +269,8 @@ def test_dynamic_speculative_decoding_cuts_trees_losslessly(
     got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
     assert got == {p: baseline[p][:m] for p, m in zip(PROMPTS, lengths)}
     assert set(asked) == {busy, 16}, sorted(set(asked))
+    # A tree is built where more than the spine (7 nodes) is asked; else the greedy chain.
+    assert builds == [16] * sum(k > 7 for k in asked)
     sizes = [n for step in steps for n, _, _ in step if n > 0]
     assert set(sizes) == ({busy, 16} if busy else {16}), sorted(set(sizes))
     # The spine is the first 7 nodes: trees cut to 4 are verified as the drafter's chain.

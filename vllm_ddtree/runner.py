@@ -45,6 +45,7 @@ class DDTreeProposer(DFlashProposer):
         self.budget, self.depth, self.spine = spec.tree_budget, spec.tree_depth, spec.tree_spine
         self.ddtree_state = DDTreeState(runner, self.budget, self.depth, self.spine)
         self._roots: torch.Tensor | None = None
+        self._num_drafts, self._drafts = self.budget, None  # this step's, set by propose
 
     def _create_draft_vllm_config(self) -> Any:
         # Without this the copy would inherit TREE_ATTN, and the target's trees with it.
@@ -57,32 +58,38 @@ class DDTreeProposer(DFlashProposer):
         fewer where vLLM's dynamic speculative decoding (``num_speculative_tokens_per_batch_
         size``) picks fewer for this batch size; a best-first tree's first b nodes are the
         best tree of b nodes. The drafter always drafts the whole depth."""
-        self._roots = next_token_ids
+        self._roots, self._num_drafts = next_token_ids, num_speculative_tokens
         if num_speculative_tokens == 0:  # its forward still runs: the drafter's context
             self.ddtree_state.store(None, [])
             return super().propose(0, target_token_ids, target_positions,
                                    target_hidden_states, next_token_ids, *args, **kwargs)
         super().propose(self.depth, target_token_ids, target_positions, target_hidden_states,
                         next_token_ids, *args, **kwargs)
-        return self.ddtree_state.proposed.token_ids[:, 1:num_speculative_tokens + 1]
+        return self._drafts
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any
                              ) -> tuple[torch.Tensor, None]:
         logits = self.draft_logits(hidden_states)  # [R * depth, V], request-major
         R = logits.shape[0] // self.depth
         logits = logits.view(R, self.depth, -1)
-        trees = ops.build_tree_from_logits(self._roots[:R].to(torch.int64), logits,
-                                           self.budget, self.spine)
         state = self.ddtree_state
-        req_ids = list(state.runner.input_batch.req_ids[:R])
-        chains = [i for i, rid in enumerate(req_ids) if _structured(state.runner, rid)]
-        if chains:
-            trees = self._greedy_chains(trees, logits, chains)
-            for i in chains:
-                req_ids[i] = None
-        state.store(trees, req_ids)
-        # The base class views this as [R, depth]; the tree tokens are returned by propose.
-        return trees.depths.new_zeros(R * self.depth, dtype=torch.int64), None
+        if self._num_drafts <= state.chain_drafts:
+            # Nodes of the spine only: the drafter's greedy chain, verified as a chain.
+            state.store(None, [])
+            self._drafts = logits[:, :self._num_drafts].argmax(dim=-1)
+        else:
+            trees = ops.build_tree_from_logits(self._roots[:R].to(torch.int64), logits,
+                                               self.budget, self.spine)
+            req_ids = list(state.runner.input_batch.req_ids[:R])
+            chains = [i for i, rid in enumerate(req_ids) if _structured(state.runner, rid)]
+            if chains:
+                trees = self._greedy_chains(trees, logits, chains)
+                for i in chains:
+                    req_ids[i] = None
+            state.store(trees, req_ids)
+            self._drafts = trees.token_ids[:, 1:self._num_drafts + 1]
+        # The base class views this as [R, depth]; propose returns the drafts.
+        return logits.new_zeros(R * self.depth, dtype=torch.int64), None
 
     def _greedy_chains(self, trees: DraftTrees, logits: torch.Tensor, rows: list[int]
                        ) -> DraftTrees:
@@ -107,7 +114,7 @@ class DDTreeState:
         # With the spine, a tree's first `depth` nodes are the drafter's greedy chain: a
         # step that verifies no more of them (a small budget, or a tree cut by dynamic
         # speculative decoding) is verified as that chain, with causal attention.
-        self._chain_drafts = depth if spine else 0
+        self.chain_drafts = depth if spine else 0
         self.num_nodes = budget + 1
         self.trees = tree_batch.TreeBatch(runner.max_num_reqs, budget, runner.device)
         tree_batch.install(runner.vllm_config, self.trees)
@@ -162,7 +169,7 @@ class DDTreeState:
         R = len(drafts)
         info = self._row_info.np
         for i, (rid, n) in enumerate(zip(runner.input_batch.req_ids[:R], drafts)):
-            tree = self.proposed_rows.get(rid, -1) if n > self._chain_drafts else -1
+            tree = self.proposed_rows.get(rid, -1) if n > self.chain_drafts else -1
             info[i], info[R + i], info[2 * R + i] = (
                 tree if tree >= 0 else self._chain_row, tree, n)
         row_info = self._row_info.copy_to_gpu(3 * R)

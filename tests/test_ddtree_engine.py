@@ -560,14 +560,17 @@ def chi_square_p_value(a: list[int], b: list[int]) -> float:
 
 
 @pytest.mark.slow
-def test_sampling_matches_the_target_distribution(tiny_models: Path, scheduling) -> None:
+@pytest.mark.parametrize("budget", [8, 4])
+def test_sampling_matches_the_target_distribution(tiny_models: Path, scheduling,
+                                                  budget) -> None:
     """Temperature 1 (top-k 3 to keep the support small): the 2nd and 3rd generated tokens,
     the first ones speculation produces, are distributed as without speculation. Threshold:
-    the test fails when the chi-square p-value is below 0.001 (fixed seeds: deterministic)."""
+    the test fails when the chi-square p-value is below 0.001 (fixed seeds: deterministic).
+    Budget 8 verifies trees; budget 4, within the drafter's 7-deep spine, the greedy chain."""
     from vllm import LLM, SamplingParams
 
     samples = {}
-    for name, spec in (("plain", None), ("ddtree", {"method": "ddtree", "tree_budget": 8,
+    for name, spec in (("plain", None), ("ddtree", {"method": "ddtree", "tree_budget": budget,
                                                     "model": str(tiny_models / "drafter")})):
         llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=128,
                   seed=0, dtype="float32", max_num_seqs=64, speculative_config=spec)

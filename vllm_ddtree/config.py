@@ -49,6 +49,15 @@ def resolve_speculative_config(spec: Any) -> None:
     if not isinstance(spec.tree_spine, bool):
         raise ValueError(f"speculative_config.tree_spine must be true or false, got "
                          f"{spec.tree_spine!r}")
+    # Chain verification settings that tree verification would ignore: refused, not dropped.
+    if spec.rejection_sample_method != "standard":
+        raise ValueError(f"speculative_config.rejection_sample_method is "
+                         f"{spec.rejection_sample_method!r}: method 'ddtree' verifies its trees "
+                         f"by walking the target's choice at every node; leave it 'standard'")
+    if spec.draft_sample_method != "greedy":
+        raise ValueError(f"speculative_config.draft_sample_method is "
+                         f"{spec.draft_sample_method!r}: method 'ddtree' builds its trees from "
+                         f"the drafter's top-k log-probabilities; leave it 'greedy'")
     spec.method = "dflash"
 
 

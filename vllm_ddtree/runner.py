@@ -12,7 +12,8 @@ The runner patch (patches/0005) calls in at four points; everything else is here
    tokens' logprobs, and the compaction of the accepted path's KV entries and hidden
    states to the first slots/rows, so the scheduler's rollback (drafts - accepted) and
    DFlash's context handling work as for a chain; chain positions are restored;
-4. ``DDTreeProposer._sample_draft_tokens``: the drafter's logits become trees (``build_tree``).
+4. ``DDTreeProposer._sample_draft_tokens``: the drafter's logits become trees (``build_tree``),
+   or, where a step asks no more drafts than the spine holds, the greedy chain.
 
 Rows with drafts but no stored tree (placeholders, and structured-output requests, which
 draft the greedy chain) are verified as chains, at most the drafter's depth deep, and so are

@@ -224,7 +224,28 @@ def markdown(results: list[dict], identical: bool, chain: dict[int, float]) -> s
             cells += [""] * (8 - len(cells))
             lines.append(f"| {r['mode']} | {r['concurrency']} | " + " | ".join(cells) + " |")
     lines += ["", f"Greedy outputs identical across modes: {'yes' if identical else 'NO'}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + speed_vs_chain(results)) + "\n"
+
+
+def speed_vs_chain(results: list[dict]) -> list[str]:
+    """Each ddtree mode's tokens/s over the chain's, per concurrency, and the throughput
+    goal: at least 1.35x the chain at the lowest concurrency, and not below it at the
+    highest."""
+    rate = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in results}
+    concs = sorted({c for _, c in rate})
+    trees = list(dict.fromkeys(m for m, _ in rate if m.startswith("ddtree")))
+    if not trees or any(("dflash", c) not in rate for c in concs):
+        return []
+    lines = ["", "Tokens/s over the dflash chain's:", "",
+             "| mode | " + " | ".join(f"conc. {c}" for c in concs) + " | goal |",
+             "|" + "---|" * (len(concs) + 2)]
+    for mode in trees:
+        ratios = [rate.get((mode, c), 0) / rate[("dflash", c)] for c in concs]
+        met = ratios[0] >= 1.35 and ratios[-1] >= 1.0
+        lines.append(f"| {mode} | " + " | ".join(f"{x:.2f}x" for x in ratios)
+                     + f" | {'met' if met else 'not met'} |")
+    return lines + ["", f"Goal: >= 1.35x at concurrency {concs[0]} and >= 1.00x at "
+                        f"concurrency {concs[-1]}."]
 
 
 def plots(results: list[dict], budgets: list[int], out: Path) -> None:

@@ -48,6 +48,10 @@ def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> Non
             assert ("tree build" in r["breakdown_ms_per_forward"]) != chain, mode
     table = (out / "acceptance.md").read_text()
     assert "| ddtree B=8 | 1 |" in table and "identical across modes: yes" in table
+    speed = table.split("Tokens/s over the dflash chain's:")[1]
+    for mode in list(results)[1:]:
+        ratio = results[mode]["tokens_per_s"] / results["dflash"]["tokens_per_s"]
+        assert f"| {mode} | {ratio:.2f}x | {'met' if ratio >= 1.35 else 'not met'} |" in speed
     for png in ("acceptance_vs_budget_c1.png", "accepted_length_histogram_c1.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

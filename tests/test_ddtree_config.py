@@ -243,3 +243,26 @@ def test_large_budgets_keep_a_cuda_graph(tiny_models: Path, monkeypatch, budget,
     else:
         sizes = vllm_capture_sizes(user_max)
         assert sizes and all(size % step == 0 for size in sizes)
+
+
+def test_large_budgets_with_a_dynamic_schedule_keep_vllms_tiers(tiny_models: Path) -> None:
+    """With a dynamic schedule vLLM runs V1 with piecewise graphs sized per tier, and rounds
+    nothing to the verify step: ddtree then leaves the sizes to vLLM (one size of 1,025
+    tokens would pad a step of 64 requests x 8 nodes up to it)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_ddtree.config import graphed_verify_step
+
+    config = engine_config(tiny_models, {
+        "method": "ddtree", "tree_budget": 1024, "model": str(tiny_models / "drafter"),
+        "num_speculative_tokens_per_batch_size": [(1, 1, 1024), (2, 64, 7)]},
+        max_num_batched_tokens=8192, max_num_seqs=64)
+    cc = config.compilation_config
+    cc.max_cudagraph_capture_size = cc.cudagraph_capture_sizes = None
+    assert graphed_verify_step(config) is None
+    config.model_config.enforce_eager = False
+    cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config._maybe_override_dynamic_sd_cudagraph_mode()  # what vLLM's startup does
+    assert cc.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    config._set_cudagraph_sizes()
+    assert 64 * 8 in cc.cudagraph_capture_sizes, cc.cudagraph_capture_sizes

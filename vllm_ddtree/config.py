@@ -161,9 +161,14 @@ def graphed_verify_step(vllm_config: Any) -> int | None:
     on Blackwell). From tree_budget 512 no multiple fits under 512, and vLLM stops at
     startup ("No valid cudagraph sizes after rounding to multiple of 513"): then capture
     one request's verify step, as vLLM's default does for budgets 256-511. Capture sizes
-    the user gave are kept."""
+    the user gave are kept. With a dynamic schedule (num_speculative_tokens_per_batch_size;
+    vLLM drops it under data parallelism) vLLM runs piecewise graphs sized per tier and
+    rounds nothing: one size of tree_budget + 1 would pad every smaller step up to it."""
     cc, spec = vllm_config.compilation_config, vllm_config.speculative_config
     if cc.max_cudagraph_capture_size is not None or cc.cudagraph_capture_sizes is not None:
+        return None
+    if (spec.num_speculative_tokens_per_batch_size
+            and vllm_config.parallel_config.data_parallel_size <= 1):
         return None
     step = spec.tree_budget + 1
     return step if step > 512 else None

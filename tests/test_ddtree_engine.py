@@ -393,11 +393,13 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("spine", [False, True])
 @pytest.mark.parametrize("mixed", [True, False])
-def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed,
+def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed, spine,
                                        scheduling) -> None:
     """Regex and JSON-schema requests, alone or batched with plain ones, the oracle drafter
-    shown the constrained continuations, no spine (nodes in index order are no chain):
+    shown the constrained continuations, without the spine (nodes in index order are no
+    chain: the greedy chain is written in) and with it (nodes 1..depth are that chain):
     output equals the target alone's and the regex is matched. vLLM builds grammar masks
     for drafts in node order, as a chain, so structured requests are verified as chains:
     alone, no accepted path leaves the node-index line."""
@@ -432,7 +434,7 @@ def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed,
     monkeypatch.setattr(DDTreeProposer, "draft_logits", oracle_draft_logits(
         {p: list(o.token_ids) for p, o in plain.items()}, prompt_ids, seed=5))
     tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
-                     "tree_budget": 16, "tree_spine": False})
+                     "tree_budget": 16, "tree_spine": spine})
     assert {p: list(o.token_ids) for p, o in tree.items()} == {
         p: list(o.token_ids) for p, o in plain.items()}
     for p in PROMPTS[0::2]:

@@ -167,7 +167,7 @@ def graphed_verify_step(vllm_config: Any) -> int | None:
     cc, spec = vllm_config.compilation_config, vllm_config.speculative_config
     if cc.max_cudagraph_capture_size is not None or cc.cudagraph_capture_sizes is not None:
         return None
-    if (spec.num_speculative_tokens_per_batch_size
+    if (spec.uses_dynamic_speculative_decoding()
             and vllm_config.parallel_config.data_parallel_size <= 1):
         return None
     step = spec.tree_budget + 1

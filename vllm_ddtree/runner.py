@@ -83,10 +83,10 @@ class DDTreeProposer(DFlashProposer):
                                                self.budget, self.spine)
             req_ids = list(state.runner.input_batch.req_ids[:R])
             chains = [i for i, rid in enumerate(req_ids) if _structured(state.runner, rid)]
-            if chains:
+            if chains and not self.spine:  # with the spine, nodes 1..depth are that chain
                 trees = self._greedy_chains(trees, logits, chains)
-                for i in chains:
-                    req_ids[i] = None
+            for i in chains:
+                req_ids[i] = None
             state.store(trees, req_ids)
             self._drafts = trees.token_ids[:, 1:self._num_drafts + 1]
         # The base class views this as [R, depth]; propose returns the drafts.

@@ -74,19 +74,23 @@ def caught_launches(module, *names: str) -> Iterator[list]:
 
 def tree_attention_launches() -> list:
     """The attention launches of the backend (16 x 32 tiles, no splits) and of the
-    benchmark's sweep, over dtypes, head sizes, GQA ratios and page sizes."""
+    benchmark's sweep, over dtypes, head sizes, GQA ratios and page sizes; and gpt-oss's
+    layers (a sliding window and sinks, or sinks alone), split or not."""
     from vllm_ddtree.attention import triton_tree_attention as tta
 
-    cases = [(dtype, head, qpk, page, config)
+    cases = [(dtype, head, qpk, page, config, None, False)
              for dtype, head, qpk, page in itertools.product(
                  (torch.float16, torch.bfloat16, torch.float32), (64, 128), (1, 4, 8), (16, 32))
              for config in [(tta.BLOCK_M, tta.TILE_N, 1, tta.NUM_WARPS)]]
-    cases += [(torch.bfloat16, head, qpk, 16, (16, 32, 1, 4))
+    cases += [(torch.bfloat16, head, qpk, 16, (16, 32, 1, 4), None, False)
               for head, qpk in [(32, 1), (96, 2), (256, 1), (256, 8), (128, 32)]]
-    cases += [(torch.bfloat16, 128, qpk, 16, config)
+    cases += [(torch.bfloat16, 128, qpk, 16, config, None, False)
               for qpk, config in itertools.product((1, 8), tta.SWEPT_CONFIGS)]
+    cases += [(dtype, 64, 8, 16, (tta.BLOCK_M, tta.TILE_N, splits, tta.NUM_WARPS), window,
+               True) for dtype, splits, window in itertools.product(
+                   (torch.bfloat16, torch.float16), (1, 4), (128, None))]
     with caught_launches(tta, "_tree_attention_kernel", "_merge_splits") as launches:
-        for dtype, head, qpk, page, (block_m, tile_n, splits, warps) in cases:
+        for dtype, head, qpk, page, (block_m, tile_n, splits, warps), window, sinks in cases:
             kv_heads, reqs, nodes = 2, 4, 65
             query = torch.empty(reqs * nodes, kv_heads * qpk, head, dtype=dtype)
             cache = torch.empty(64, page, kv_heads, head, dtype=dtype)
@@ -95,7 +99,9 @@ def tree_attention_launches() -> list:
                 torch.zeros(reqs, 16, dtype=torch.int32), torch.zeros(reqs, dtype=torch.int32),
                 torch.zeros(reqs + 1, dtype=torch.int32), torch.zeros(reqs, dtype=torch.int32),
                 torch.zeros(reqs, nodes, 3, dtype=torch.int32), 0.1, block_m=block_m,
-                tile_n=tile_n, num_splits=splits, num_warps=warps)
+                tile_n=tile_n, num_splits=splits, num_warps=warps, sliding_window=window,
+                sinks=torch.zeros(kv_heads * qpk) if sinks else None,
+                depths=torch.zeros(reqs, nodes, dtype=torch.int32))
     return launches
 
 

@@ -39,6 +39,13 @@ def ancestor_bits(parents: list[int]) -> torch.Tensor:
     return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)
 
 
+def node_depths(parents: list[int]) -> list[int]:
+    depths = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
 @dataclass
 class Batch:
     query: torch.Tensor  # [T, H, D]
@@ -49,6 +56,7 @@ class Batch:
     query_start_loc: torch.Tensor  # int32 [R + 1]
     tree_index: torch.Tensor  # int32 [R]
     ancestor_mask: torch.Tensor  # int32 [num_trees, N, W]
+    depths: torch.Tensor  # int32 [num_trees, N]
     parents: list  # per request: parents list (tree) or None
     scale: float
 
@@ -88,16 +96,21 @@ def make_batch(seed: int, kinds: list[str], num_nodes: int, context_lens: list[i
         t += p is not None
     ancestor_mask = (torch.stack(trees) if trees
                      else torch.zeros(0, num_nodes, mask_words(num_nodes), dtype=torch.int32))
+    depths = torch.tensor([node_depths(p) for p in parents if p is not None],
+                          dtype=torch.int32).view(-1, num_nodes)
     return Batch(query, key_cache, value_cache, block_table,
                  torch.tensor(seq_lens, dtype=torch.int32),
                  torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
-                 torch.tensor(tree_index, dtype=torch.int32), ancestor_mask, parents,
+                 torch.tensor(tree_index, dtype=torch.int32), ancestor_mask, depths, parents,
                  head_size ** -0.5)
 
 
-def dense_reference(b: Batch) -> torch.Tensor:
+def dense_reference(b: Batch, sliding_window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Gather each request's keys and values, build its mask from the parents lists, and
-    take a float64 softmax: slow and obviously right."""
+    take a float64 softmax: slow and obviously right. With a sliding window, a query at
+    position p sees keys at positions p - sliding_window + 1 .. p (a node's position is the
+    context length plus its depth); with sinks, head h's softmax sums exp(sinks[h]) too."""
     out = torch.empty(b.query.shape, dtype=torch.float64)
     page = b.key_cache.shape[1]
     group = b.query.shape[1] // b.key_cache.shape[2]
@@ -110,6 +123,8 @@ def dense_reference(b: Batch) -> torch.Tensor:
         v = b.value_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
         allowed = torch.zeros(q_len, seq_len, dtype=torch.bool)
         allowed[:, :ctx] = True
+        depth = node_depths(parents) if parents is not None else list(range(q_len))
+        position = list(range(ctx)) + [ctx + d for d in depth]
         for i in range(q_len):
             if parents is None:
                 allowed[i, ctx:ctx + i + 1] = True
@@ -118,8 +133,17 @@ def dense_reference(b: Batch) -> torch.Tensor:
                 while j >= 0:
                     allowed[i, ctx + j] = True
                     j = parents[j]
+            if sliding_window is not None:
+                for key in range(seq_len):
+                    if position[ctx + i] - position[key] >= sliding_window:
+                        allowed[i, key] = False
         q = b.query[start:end].double()
         scores = torch.einsum("qhd,khd->hqk", q, k) * b.scale
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if sinks is not None:  # one more logit per head, with no value
+            sink = sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out

@@ -4,6 +4,7 @@ often guesses right, deep and off-chain acceptance happens and output stays loss
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -469,6 +470,105 @@ def test_compiled_target_is_lossless(tiny_models: Path, baseline, monkeypatch) -
         p: t[:MAX_TOKENS] for p, t in baseline.items()}
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+
+
+def windowed_pair(tiny_models: Path, out: Path, window: int) -> Path:
+    """The tiny pair with every target layer attending through a sliding window (Qwen3's
+    own config fields), as Mistral-style and gpt-oss's windowed layers do."""
+    import shutil
+
+    shutil.copytree(tiny_models / "target", out / "target")
+    (out / "drafter").symlink_to(tiny_models / "drafter")
+    config = json.loads((out / "target" / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=window, max_window_layers=0)
+    (out / "target" / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.slow
+def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path, monkeypatch,
+                                           scheduling) -> None:
+    """A target whose layers see 4 positions back: tree nodes lose context and upper
+    ancestors to the window by position (siblings share one), exactly as the target alone
+    does at that position. Trees accepted deep and off the chain (the oracle drafter),
+    output equals the windowed target alone's, which differs from the full target's."""
+    from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
+    from vllm_ddtree.runner import DDTreeProposer
+
+    pair = windowed_pair(tiny_models, tmp_path, window=4)
+    outputs, llm = generate(pair, None, max_tokens=MAX_TOKENS + 16)
+    windowed = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
+    del llm
+    full, _ = generate(tiny_models, None, max_tokens=MAX_TOKENS)
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in full} != {
+        p: t[:MAX_TOKENS] for p, t in windowed.items()}  # the window matters
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(windowed, prompt_ids, seed=8))
+    outputs, llm = generate(pair, {"method": "ddtree", "model": str(pair / "drafter"),
+                                   "tree_budget": 16})
+    assert_scheduling(llm, scheduling)
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+        p: t[:MAX_TOKENS] for p, t in windowed.items()}
+    impls = [m.impl for m in ddtree_state(llm).runner.model.modules() if hasattr(m, "impl")
+             and isinstance(m.impl, TreeAttentionCPUImpl)]
+    assert impls and all(i.sliding_window == 4 for i in impls)
+    stats = ddtree_state(llm).stats()
+    assert stats["longest_accepted"] >= 4 and stats["paths_off_the_index_line"] > 0, stats
+
+
+def gpt_oss_pair(tiny_models: Path, out: Path, window: int) -> Path:
+    """A random tiny gpt-oss target (attention sinks in every layer, a sliding window in
+    every other one, mixture-of-experts MLPs) with the tiny pair's tokenizer, and the tiny
+    DFlash drafter (the same hidden size and vocabulary)."""
+    import shutil
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = json.loads((tiny_models / "target" / "config.json").read_text())
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(
+        num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, hidden_size=128,
+        intermediate_size=128, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=config["vocab_size"], sliding_window=window, max_position_embeddings=4096,
+        eos_token_id=config["eos_token_id"], bos_token_id=config["bos_token_id"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 1.0 if "sinks" in name else 0.05 if p.dim() > 1 else 0.02)
+    model.save_pretrained(out / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_models / "target" / name, out / "target" / name)
+    (out / "drafter").symlink_to(tiny_models / "drafter")
+    return out
+
+
+@pytest.mark.slow
+def test_gpt_oss_target_with_sinks_and_windows_is_lossless(tiny_models: Path,
+                                                           tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """gpt-oss's attention: sinks in every layer, a window of 4 positions in every other
+    one (two KV cache groups, one windowed). Trees accepted deep and off the chain (the
+    oracle drafter), output equals the target alone's."""
+    from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
+    from vllm_ddtree.runner import DDTreeProposer
+
+    pair = gpt_oss_pair(tiny_models, tmp_path, window=4)
+    outputs, llm = generate(pair, None, max_tokens=MAX_TOKENS + 16)
+    target = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(target, prompt_ids, seed=9))
+    outputs, llm = generate(pair, {"method": "ddtree", "model": str(pair / "drafter"),
+                                   "tree_budget": 16})
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+        p: t[:MAX_TOKENS] for p, t in target.items()}
+    impls = [m.impl for m in ddtree_state(llm).runner.model.modules() if hasattr(m, "impl")
+             and isinstance(m.impl, TreeAttentionCPUImpl)]
+    assert sorted(i.sliding_window for i in impls) == [-1, -1, 4, 4]
+    assert all(i.sinks is not None for i in impls)
+    stats = ddtree_state(llm).stats()
+    assert stats["longest_accepted"] >= 4 and stats["paths_off_the_index_line"] > 0, stats
 
 
 def random_lora(target: Path, out: Path, rank: int = 8) -> Path:

@@ -1,7 +1,7 @@
 """Tree attention, both implementations (the Triton kernel under TRITON_INTERPRET=1, and the
 CPU path's torch ops), against a dense float64 reference: dtypes, head sizes, GQA, page
 sizes, tree shapes, contexts across block boundaries, batches mixing tree, prefill and decode
-requests."""
+requests, sliding windows and attention sinks."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ IMPLS = {"triton": tree_attention, "torch": tree_attention_torch}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-def run(impl: str, batch) -> torch.Tensor:
+def run(impl: str, batch, **kwargs) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
     IMPLS[impl](batch.query, batch.key_cache, batch.value_cache, out, batch.block_table,
                 batch.seq_lens, batch.query_start_loc, batch.tree_index, batch.ancestor_mask,
-                batch.scale)
+                batch.scale, depths=batch.depths, **kwargs)
     return out
 
 
@@ -58,6 +58,63 @@ def test_matches_dense_reference(impl, dtype, head_size, heads, page, case) -> N
                        dtype)
     err = (run(impl, batch).double() - dense_reference(batch)).abs().max().item()
     assert err <= TOLERANCE[dtype], f"max abs error {err}"
+
+
+def sinks_for(batch, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch.query.shape[1], generator=gen) * 2).to(batch.query.dtype)
+
+
+# (sliding window, sinks): a window of 1 sees only the query's own position (no ancestor);
+# of 3, a deep node loses its upper ancestors and every node most of the context; of 24,
+# long contexts are cut.
+WINDOW_SINKS = [(1, False), (3, False), (24, True), (None, True)]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("dtype, head_size, heads, page", [
+    (torch.float32, 64, (8, 2), 16),
+    (torch.bfloat16, 128, (4, 1), 32),
+])
+@pytest.mark.parametrize("window, with_sinks", WINDOW_SINKS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_window_and_sinks_match_dense_reference(impl, dtype, head_size, heads, page, window,
+                                                with_sinks, case) -> None:
+    kinds, num_nodes, contexts = CASES[case]
+    batch = make_batch(case, kinds, num_nodes, contexts, heads[0], heads[1], head_size, page,
+                       dtype)
+    sinks = sinks_for(batch, case) if with_sinks else None
+    got = run(impl, batch, sliding_window=window, sinks=sinks)
+    err = (got.double() - dense_reference(batch, window, sinks)).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err}"
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_wrong_window_or_sink_is_caught(impl) -> None:
+    # Off by one position, or sinks left out: the comparison notices.
+    batch = make_batch(4, ["deep", "prefill"], 12, [40, 30], 4, 2, 64, 16, torch.float32)
+    sinks = sinks_for(batch, 1)
+    want = dense_reference(batch, 8, sinks)
+    assert (run(impl, batch, sliding_window=8, sinks=sinks).double() - want).abs().max() <= 1e-4
+    assert (run(impl, batch, sliding_window=9, sinks=sinks).double() - want).abs().max() > 1e-2
+    assert (run(impl, batch, sliding_window=8).double() - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("splits, tile_n", [(2, 16), (4, 32), (8, 16)])
+def test_window_and_sinks_with_split_keys(splits, tile_n) -> None:
+    # Splits share out the window's keys only; the sink enters one split's sum, once.
+    batch = make_batch(6, ["decode", "bushy", "prefill", "deep", "star"], 24,
+                       [3, 90, 50, 130, 17], 8, 2, 64, 16, torch.float32)
+    sinks = sinks_for(batch, 2)
+    for window in (5, 40, None):
+        out = torch.full_like(batch.query, float("nan"))
+        tree_attention(batch.query, batch.key_cache, batch.value_cache, out,
+                       batch.block_table, batch.seq_lens, batch.query_start_loc,
+                       batch.tree_index, batch.ancestor_mask, batch.scale,
+                       sliding_window=window, sinks=sinks, depths=batch.depths,
+                       tile_n=tile_n, num_splits=splits)
+        err = (out.double() - dense_reference(batch, window, sinks)).abs().max().item()
+        assert err <= TOLERANCE[torch.float32], (window, err)
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -154,6 +211,9 @@ def test_split_keys_match_dense_reference_in_bf16(case) -> None:
     (dict(num_splits=3), "argument 'num_splits' must be a power of 2"),
     (dict(tile_n=8), "argument 'tile_n' must be a power of 2 of at least 16"),
     (dict(block_m=24), "argument 'block_m' must be a power of 2 of at least 16"),
+    (dict(sliding_window=0), "argument 'sliding_window' must be at least 1"),
+    (dict(sliding_window=4, depths=None), "argument 'depths' is needed"),
+    (dict(sinks=torch.zeros(3)), r"argument 'sinks' must have shape \(4,\)"),
 ])
 def test_rejects_bad_tiles_and_split_counts(kwargs, message) -> None:
     # The interpreter would run tile_n=8; the GPU compiler rejects it (check_triton_compile).
@@ -162,7 +222,7 @@ def test_rejects_bad_tiles_and_split_counts(kwargs, message) -> None:
         tree_attention(batch.query, batch.key_cache, batch.value_cache,
                        torch.empty_like(batch.query), batch.block_table, batch.seq_lens,
                        batch.query_start_loc, batch.tree_index, batch.ancestor_mask,
-                       batch.scale, **kwargs)
+                       batch.scale, **{"depths": batch.depths, **kwargs})
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))

@@ -56,7 +56,7 @@ def test_enum_member_and_cpu_selection() -> None:
     assert CpuPlatform.get_attn_backend_cls(None, config).endswith("CPUAttentionBackend")
 
 
-def cpu_builder(batch, dtype):
+def cpu_builder(batch, dtype, window: int | None = None):
     """The backend's metadata builder, without a VllmConfig: only what build() reads."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -66,10 +66,18 @@ def cpu_builder(batch, dtype):
     page, kv_heads, head_size = batch.key_cache.shape[1:]
     builder.__dict__.update(
         num_heads=batch.query.shape[1], num_kv_heads=kv_heads, head_dim=head_size,
-        dtype=dtype, window_size=-1, block_size=page, kv_cache_dtype="auto",
+        dtype=dtype, window_size=window or -1, block_size=page, kv_cache_dtype="auto",
         isa=_get_attn_isa(dtype, page, head_size, "auto"), is_cross_attention=False,
         is_encoder_only_attention=False)
     return builder
+
+
+# (sliding window, sinks): plain layers, and gpt-oss's windowed layers with sinks.
+WINDOW_SINKS = [(None, False), (6, True)]
+
+
+def layer_sinks(heads: int, with_sinks: bool) -> torch.Tensor | None:
+    return torch.linspace(-2.0, 3.0, heads) if with_sinks else None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,7 +86,9 @@ def cpu_builder(batch, dtype):
     (["star", "deep"], [31, 64]),
     (["decode", "prefill"], [12, 70]),
 ])
-def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monkeypatch) -> None:
+@pytest.mark.parametrize("window, with_sinks", WINDOW_SINKS)
+def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, window, with_sinks,
+                                                   monkeypatch) -> None:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends import cpu_attn
@@ -88,7 +98,7 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monke
 
     batch = make_batch(7, kinds, 12, contexts, 8, 2, 64, 32, dtype)
     num_reqs, (num_blocks, page, kv_heads, head_size) = len(kinds), batch.key_cache.shape
-    builder = cpu_builder(batch, dtype)
+    builder = cpu_builder(batch, dtype, window)
     # The batch's keys and values, written into a CPU_ATTN cache by CPU_ATTN's own op (which
     # packs keys per ISA).
     kv_cache = torch.zeros(num_blocks, kv_heads, page, 2 * head_size, dtype=dtype)
@@ -104,7 +114,7 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monke
         max_seq_len=int(batch.seq_lens.max()), block_table_tensor=batch.block_table,
         slot_mapping=slots)
     trees = tree_batch.TreeBatch(16, 11, "cpu")
-    trees.set_trees(batch.tree_index, batch.ancestor_mask)
+    trees.set_trees(batch.tree_index, batch.ancestor_mask, batch.depths)
     builder.vllm_config = SimpleNamespace(instance_id="test-mixed-batch")
     tree_batch.install(builder.vllm_config, trees)
     try:
@@ -116,11 +126,14 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, monke
     # The impl reads only the model dtype from the current config.
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
-    impl = TreeAttentionCPUImpl(8, head_size, batch.scale, kv_heads, None, None, "auto")
+    sinks = layer_sinks(8, with_sinks)
+    impl = TreeAttentionCPUImpl(8, head_size, batch.scale, kv_heads, None, window, "auto",
+                                sinks=sinks)
     layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa=builder.isa)
     out = torch.full_like(batch.query, float("nan"))
     impl.forward(layer, batch.query, None, None, kv_cache, metadata, out)
-    err = (out.double() - dense_reference(batch)).abs().max().item()
+    # Plain requests ran through CPU_ATTN's kernel, tree requests through the torch path.
+    err = (out.double() - dense_reference(batch, window, sinks)).abs().max().item()
     assert err <= (1e-4 if dtype == torch.float32 else 3e-2), err
 
 
@@ -202,7 +215,8 @@ def test_compaction_of_every_cpu_attn_packing(isa, dtype) -> None:
     (["prefill", "bushy", "decode", "chain"], [40, 7, 90, 0]),
     (["star", "deep"], [31, 64]),
 ])
-def test_cuda_backend_glue_on_the_interpreter(kinds, contexts) -> None:
+@pytest.mark.parametrize("window, with_sinks", WINDOW_SINKS)
+def test_cuda_backend_glue_on_the_interpreter(kinds, contexts, window, with_sinks) -> None:
     # The CUDA backend's own code (metadata builder, forward over the Triton backend's cache
     # layout) has no GPU to run on here: run it on CPU tensors, the kernel under Triton's
     # interpreter, against the dense reference. (vLLM turns its own Triton kernels off on
@@ -216,7 +230,9 @@ def test_cuda_backend_glue_on_the_interpreter(kinds, contexts) -> None:
     dtype = torch.float32
     batch = make_batch(3, kinds, 12, contexts, 8, 2, 64, 16, dtype)
     num_reqs, kv_heads, head_size = len(kinds), *batch.key_cache.shape[2:]
-    impl = TreeAttentionImpl(8, head_size, batch.scale, kv_heads, None, None, "auto")
+    sinks = layer_sinks(8, with_sinks)
+    impl = TreeAttentionImpl(8, head_size, batch.scale, kv_heads, None, window, "auto",
+                             sinks=sinks)
     kv_cache = torch.cat([batch.key_cache, batch.value_cache], dim=-1).transpose(1, 2)
     builder = object.__new__(TreeAttentionMetadataBuilder)
     builder.vllm_config = SimpleNamespace(instance_id="test-cuda-backend-glue")
@@ -228,7 +244,7 @@ def test_cuda_backend_glue_on_the_interpreter(kinds, contexts) -> None:
         max_seq_len=int(batch.seq_lens.max()), block_table_tensor=batch.block_table,
         slot_mapping=torch.zeros(batch.query.shape[0], dtype=torch.int64))
     trees = tree_batch.TreeBatch(16, 11, "cpu")
-    trees.set_trees(batch.tree_index, batch.ancestor_mask)
+    trees.set_trees(batch.tree_index, batch.ancestor_mask, batch.depths)
     tree_batch.install(builder.vllm_config, trees)
     try:
         metadata = builder.build(0, common)
@@ -238,7 +254,7 @@ def test_cuda_backend_glue_on_the_interpreter(kinds, contexts) -> None:
     out = torch.full((batch.query.shape[0] + 3, *batch.query.shape[1:]), float("nan"))
     query = torch.cat([batch.query, torch.randn(3, *batch.query.shape[1:])])
     impl.forward(None, query, None, None, kv_cache, metadata, out)
-    err = (out[:-3].double() - dense_reference(batch)).abs().max().item()
+    err = (out[:-3].double() - dense_reference(batch, window, sinks)).abs().max().item()
     assert err <= 1e-4, err
     assert out[-3:].isnan().all()
     # Without installed trees every request runs causal: a plain batch's attention.

@@ -177,7 +177,8 @@ class DDTreeState:
         n = row_info[2 * R:]
         depths, first_child, next_sibling, parents = self._links.index_select(1, row_info[:R])
         if self.proposed is not None:
-            self.trees.set_trees(row_info[R:2 * R], self.proposed.ancestor_mask)
+            self.trees.set_trees(row_info[R:2 * R], self.proposed.ancestor_mask,
+                                 self.proposed.depths)
         else:
             self.trees.clear()
         # A scheduled prefix of a tree's nodes is a tree (parents precede children). Links

@@ -30,6 +30,26 @@ def test_kernel_on_gpu_matches_dense_reference(dtype, head_size, heads, page, ca
     assert err <= TOLERANCE.get(dtype, 3e-2), err
 
 
+@pytest.mark.parametrize("window, splits", [(1, 1), (5, 1), (128, 1), (5, 4), (40, 8)])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_window_and_sinks_on_gpu_match_dense_reference(window, splits, case) -> None:
+    # gpt-oss's layers: bf16, 64-dim heads, 8 query heads per KV head, sinks, a window.
+    kinds, num_nodes, contexts = CASES[case]
+    batch = make_batch(case, kinds, num_nodes, [c + 150 for c in contexts], 16, 2, 64, 16,
+                       torch.bfloat16)
+    sinks = torch.linspace(-2.0, 3.0, 16, dtype=torch.bfloat16)
+    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.__dict__.items()}
+    out = torch.full_like(cuda["query"], float("nan"))
+    tree_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"], out,
+                   cuda["block_table"], cuda["seq_lens"], cuda["query_start_loc"],
+                   cuda["tree_index"], cuda["ancestor_mask"], batch.scale,
+                   sliding_window=window, sinks=sinks.cuda(), depths=cuda["depths"],
+                   num_splits=splits)
+    err = (out.cpu().double() - dense_reference(batch, window, sinks)).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16], err
+
+
 @pytest.mark.parametrize("block_m, tile_n, splits, warps", [
     (16, 16, 1, 4), (32, 64, 1, 4), (64, 64, 1, 4), (16, 32, 4, 4), (32, 32, 8, 4),
     (16, 32, 1, 8), (32, 32, 1, 8)])

@@ -48,6 +48,7 @@ class TreeAttentionMetadata:
     slot_mapping: torch.Tensor
     tree_index: torch.Tensor  # int32 [num_reqs]
     ancestor_mask: torch.Tensor  # int32 [max_num_reqs, budget + 1, words]
+    depths: torch.Tensor  # int32 [max_num_reqs, budget + 1]
 
 
 class TreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
@@ -66,7 +67,7 @@ class TreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
             num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping, tree_index=trees.tree_index[:cm.num_reqs],
-            ancestor_mask=trees.ancestor_mask)
+            ancestor_mask=trees.ancestor_mask, depths=trees.depths)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> TreeAttentionMetadata:
@@ -80,8 +81,8 @@ class TreeAttentionImpl(TritonAttentionImpl):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = "decoder", kv_sharing_target_layer_name=None,
                  **kwargs) -> None:
-        refuse_unsupported(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                           logits_soft_cap=logits_soft_cap, **kwargs)
+        refuse_unsupported(alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                           **{k: v for k, v in kwargs.items() if k != "sinks"})
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, **kwargs)
@@ -94,8 +95,10 @@ class TreeAttentionImpl(TritonAttentionImpl):
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        window = self.sliding_window[0] + 1 if self.sliding_window[0] >= 0 else None
         tree_attention(query[:n], key_cache, value_cache, output[:n],
                        attn_metadata.block_table, attn_metadata.seq_lens,
                        attn_metadata.query_start_loc, attn_metadata.tree_index,
-                       attn_metadata.ancestor_mask, self.scale)
+                       attn_metadata.ancestor_mask, self.scale, sliding_window=window,
+                       sinks=self.sinks, depths=attn_metadata.depths)
         return output

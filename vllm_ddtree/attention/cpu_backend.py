@@ -4,8 +4,9 @@ for tree requests (CPU_ATTN's kernel takes no mask).
 A batch without trees runs exactly as CPU_ATTN. In a mixed batch, each maximal run of
 consecutive plain requests is one CPU_ATTN call (its scheduler metadata rebuilt for the run
 when metadata is built, once per step), and the tree requests go through
-``torch_tree_attention`` (planned once per step, run per layer). The KV cache is CPU_ATTN's,
-written by CPU_ATTN's own op.
+``torch_tree_attention`` (planned once per step and window size, run per layer). Sliding
+windows and attention sinks go to both. The KV cache is CPU_ATTN's, written by CPU_ATTN's
+own op.
 """
 
 from __future__ import annotations
@@ -194,8 +195,16 @@ class PlainRun:
 @dataclass
 class TreeAttentionCPUMetadata(CPUAttentionMetadata):
     tree_requests: list[int] = field(default_factory=list)
-    tree_groups: list[TreeGroup] = field(default_factory=list)  # planned once, for all layers
+    tree_plan: tuple = ()  # plan_tree_groups' arguments but the window
+    planned: dict[int | None, list[TreeGroup]] = field(default_factory=dict)
     plain_runs: list[PlainRun] = field(default_factory=list)
+
+    def tree_groups(self, sliding_window: int | None) -> list[TreeGroup]:
+        """The tree requests' groups for layers of this window: planned by the first such
+        layer of the step, reused by the others (a KV cache group may mix windows)."""
+        if sliding_window not in self.planned:
+            self.planned[sliding_window] = plan_tree_groups(*self.tree_plan, sliding_window)
+        return self.planned[sliding_window]
 
 
 class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -213,7 +222,7 @@ class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if not metadata.tree_requests:
             return metadata
         cm = common_attn_metadata
-        metadata.tree_groups = plan_tree_groups(
+        metadata.tree_plan = (
             cm.query_start_loc_cpu, cm.seq_lens[:num_reqs], cm.block_table_tensor, index,
             trees.ancestor_mask, metadata.tree_requests, self.block_size, self.num_heads)
         r = 0
@@ -248,11 +257,11 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = "decoder", kv_sharing_target_layer_name=None,
                  sinks=None, **kwargs) -> None:
-        refuse_unsupported(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                           logits_soft_cap=logits_soft_cap, sinks=sinks, **kwargs)
+        refuse_unsupported(alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                           **kwargs)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
-                         kv_sharing_target_layer_name)
+                         kv_sharing_target_layer_name, sinks)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -262,6 +271,8 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
                                    output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("TREE_ATTN does not fuse output quantization")
+        if self.sinks is not None and self.sinks.dtype not in (torch.bfloat16, torch.float32):
+            self.sinks = self.sinks.float()  # as CPU_ATTN does: its kernel takes these two
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         # CPU_ATTN's cache: per (block, head) block_size keys, then block_size values.
         key_cache, value_cache = kv_cache.view(
@@ -271,8 +282,9 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
                 query=query[run.tokens], key_cache=key_cache, value_cache=value_cache,
                 output=output[run.tokens], query_start_loc=run.query_start_loc,
                 seq_lens=run.seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
-                sliding_window=-1, block_table=run.block_table, softcap=0,
-                scheduler_metadata=run.scheduler_metadata, s_aux=None, dynamic_causal=None,
+                sliding_window=self.sliding_window, block_table=run.block_table, softcap=0,
+                scheduler_metadata=run.scheduler_metadata, s_aux=self.sinks,
+                dynamic_causal=None,
                 k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                 kv_cache_dtype=self.kv_cache_dtype)
         reading = block_reading(layer.isa, key_cache.dtype, block_size, self.head_size)
@@ -281,5 +293,6 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
             return tuple(read_tiles(cache, blocks, perm, form)
                          for cache, (perm, form) in zip((key_cache, value_cache), reading))
 
-        attend(query, output, md.tree_groups, self.scale, read_blocks)
+        window = self.sliding_window if self.sliding_window > 0 else None
+        attend(query, output, md.tree_groups(window), self.scale, read_blocks, self.sinks)
         return output

@@ -1,6 +1,7 @@
-"""What TREE_ATTN does and does not do, shared by its CUDA and CPU backends: plain decoder
-self-attention (causal, or tree-masked), with no sliding window, sinks, ALiBi, soft cap or
-multimodal prefix; KV caches in the model's dtype."""
+"""What TREE_ATTN does and does not do, shared by its CUDA and CPU backends: decoder
+self-attention (causal, or tree-masked), with sliding windows and attention sinks (as in
+gpt-oss), and no ALiBi, soft cap, multimodal prefix or chunked local attention; KV caches in
+the model's dtype."""
 
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ class TreeAttentionFeatures:
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return False
+        return True
 
     @classmethod
     def supports_sink(cls) -> bool:
-        return False
+        return True
 
     @classmethod
     def supports_mm_prefix(cls) -> bool:

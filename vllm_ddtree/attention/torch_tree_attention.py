@@ -9,6 +9,10 @@ costs a few ops per group rather than per request (8 requests of 17 nodes: 0.5-0
 time of one by one). The attention is written out (two batched matmuls and a softmax, in
 float32): with a mask and grouped heads PyTorch's CPU SDPA takes its unfused math path, which
 measured about twice as slow at verify-step shapes.
+
+A sliding window is planned into the bias (a plan serves the layers of one window size),
+over every key: a windowed group has no bias-free context. Attention sinks join the softmax
+as one more logit per query head.
 """
 
 from __future__ import annotations
@@ -52,10 +56,11 @@ class TreeGroup:
 def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      block_table: torch.Tensor, tree_index: torch.Tensor,
                      ancestor_mask: torch.Tensor, requests: list[int], block_size: int,
-                     num_heads: int) -> list[TreeGroup]:
+                     num_heads: int, sliding_window: int | None = None) -> list[TreeGroup]:
     """Groups of ``requests`` (tree requests; one with ``tree_index`` -1 attends causally),
     by key span, each growing while within ``PADDING_SLACK`` and ``GROUP_MAX_SCORES``.
-    Host work, once per step, in NumPy (a few microseconds an op where torch takes several)."""
+    Host work, once per step (per window size), in NumPy (a few microseconds an op where
+    torch takes several)."""
     qsl, lens, trees = query_start_loc.tolist(), seq_lens.tolist(), tree_index.tolist()
     groups, current, own, q_max = [], [], 0, 0
     for r in sorted(requests, key=lambda r: lens[r]):  # r has the group's longest key span
@@ -70,19 +75,20 @@ def plan_tree_groups(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     if current:
         groups.append(current)
     block_table, ancestor_mask = block_table.numpy(), ancestor_mask.numpy()
-    return [_group(members, qsl, lens, trees, block_table, ancestor_mask, block_size)
-            for members in groups]
+    return [_group(members, qsl, lens, trees, block_table, ancestor_mask, block_size,
+                   sliding_window) for members in groups]
 
 
 def _group(members: list[int], qsl: list[int], lens: list[int], trees: list[int],
-           block_table: np.ndarray, ancestor_mask: np.ndarray, block_size: int) -> TreeGroup:
+           block_table: np.ndarray, ancestor_mask: np.ndarray, block_size: int,
+           sliding_window: int | None) -> TreeGroup:
     q_lens = [qsl[r + 1] - qsl[r] for r in members]
     q_max, keys_max = max(q_lens), max(lens[r] for r in members)
     blocks_max = -(-keys_max // block_size)
     n = len(members)
     query_rows = np.empty((n, q_max), dtype=np.int64)
     blocks = np.empty((n, blocks_max), dtype=np.int64)
-    bias_from = min(lens[r] - q for r, q in zip(members, q_lens))
+    bias_from = 0 if sliding_window else min(lens[r] - q for r, q in zip(members, q_lens))
     bias = np.full((n, q_max, keys_max - bias_from), -np.inf, dtype=np.float32)
     out_rows, result_rows = [], []
     for i, (r, q_len) in enumerate(zip(members, q_lens)):
@@ -96,8 +102,17 @@ def _group(members: list[int], qsl: list[int], lens: list[int], trees: list[int]
             allowed = unpack_mask(ancestor_mask[trees[r], :q_len], q_len)
         else:
             allowed = np.tri(q_len, dtype=bool)
-        bias[i, :q_len, :ctx - bias_from] = 0.0
-        bias[i, :q_len, ctx - bias_from:seq_len - bias_from][allowed] = 0.0
+        if sliding_window:
+            # Offsets from ctx (a node's depth: its ancestors, itself included, less one);
+            # a key is seen from less than sliding_window positions back.
+            depth = allowed.sum(1) - 1
+            key_off = np.concatenate([np.arange(-ctx, 0), depth])
+            allowed = np.concatenate([np.ones((q_len, ctx), dtype=bool), allowed], axis=1)
+            allowed &= depth[:, None] - key_off[None, :] < sliding_window
+            bias[i, :q_len, :seq_len][allowed] = 0.0
+        else:
+            bias[i, :q_len, :ctx - bias_from] = 0.0
+            bias[i, :q_len, ctx - bias_from:seq_len - bias_from][allowed] = 0.0
         bias[i, q_len:] = bias[i, 0]  # padding rows: any finite row
         out_rows.append(np.arange(qsl[r], qsl[r + 1]))
         result_rows.append(np.arange(i * q_max, i * q_max + q_len))
@@ -109,9 +124,11 @@ def _group(members: list[int], qsl: list[int], lens: list[int], trees: list[int]
 
 
 def attend(query: torch.Tensor, out: torch.Tensor, groups: list[TreeGroup], scale: float,
-           read_blocks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+           read_blocks: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+           sinks: torch.Tensor | None = None) -> None:
     """Writes the groups' rows of ``out``. ``read_blocks(block_ids)`` returns those blocks'
-    keys and values as ``[n, kv_heads, block_size, head_size]`` (any strides)."""
+    keys and values as ``[n, kv_heads, block_size, head_size]`` (any strides). ``sinks``:
+    one logit per query head, or None."""
     num_heads, head_size = query.shape[1:]
     for g in groups:
         n, q_max = g.query_rows.shape
@@ -124,9 +141,15 @@ def attend(query: torch.Tensor, out: torch.Tensor, groups: list[TreeGroup], scal
         q = q.view(n, q_max, kv_heads, per_kv, head_size).permute(0, 2, 3, 1, 4)
         q = q.reshape(n * kv_heads, per_kv * q_max, head_size)
         scores = torch.bmm(q, _spans(k_tiles, n, g.num_keys).transpose(1, 2)).mul_(scale)
-        scores.view(n, kv_heads, per_kv, q_max, g.num_keys)[..., g.bias_from:].add_(
-            g.bias[:, None, None])
-        o = torch.bmm(scores.softmax(-1), _spans(v_tiles, n, g.num_keys))
+        by_head = scores.view(n, kv_heads, per_kv, q_max, g.num_keys)
+        by_head[..., g.bias_from:].add_(g.bias[:, None, None])
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.float().view(1, kv_heads, per_kv, 1, 1).expand(n, -1, -1, q_max, 1)
+            probs = torch.cat([by_head, sink], -1).softmax(-1)[..., :-1]
+            probs = probs.reshape(scores.shape)
+        o = torch.bmm(probs, _spans(v_tiles, n, g.num_keys))
         o = o.view(n, kv_heads, per_kv, q_max, head_size).permute(0, 3, 1, 2, 4)
         o = o.reshape(n * q_max, num_heads, head_size)
         if one:
@@ -153,16 +176,19 @@ def tree_attention_torch(
     tree_index: torch.Tensor,
     ancestor_mask: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    depths: torch.Tensor | None = None,  # unused: the plan reads depths off the masks
 ) -> torch.Tensor:
     """Every request of the batch, with caches ``[blocks, block_size, kv_heads, head_size]``;
     requests without a tree attend causally."""
     groups = plan_tree_groups(query_start_loc, seq_lens, block_table, tree_index,
                               ancestor_mask, list(range(seq_lens.shape[0])),
-                              key_cache.shape[1], query.shape[1])
+                              key_cache.shape[1], query.shape[1], sliding_window)
 
     def read_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (key_cache.index_select(0, blocks).transpose(1, 2),
                 value_cache.index_select(0, blocks).transpose(1, 2))
 
-    attend(query, out, groups, scale, read_blocks)
+    attend(query, out, groups, scale, read_blocks, sinks)
     return out

@@ -21,13 +21,17 @@ class TreeBatch:
         self.tree_index = torch.full((max_num_reqs,), -1, dtype=torch.int32, device=device)
         self.ancestor_mask = torch.zeros(max_num_reqs, budget + 1, mask_words(budget + 1),
                                          dtype=torch.int32, device=device)
+        # Node depths, for sliding windows (which count positions, and siblings share one).
+        self.depths = torch.zeros(max_num_reqs, budget + 1, dtype=torch.int32, device=device)
 
-    def set_trees(self, tree_index: torch.Tensor, ancestor_mask: torch.Tensor) -> None:
-        """In place: row r of the batch uses ``ancestor_mask[tree_index[r]]`` (-1: none)."""
+    def set_trees(self, tree_index: torch.Tensor, ancestor_mask: torch.Tensor,
+                  depths: torch.Tensor) -> None:
+        """In place: row r of the batch uses tree ``tree_index[r]`` (-1: none)."""
         n, t = tree_index.shape[0], ancestor_mask.shape[0]
         self.tree_index[:n].copy_(tree_index)
         self.tree_index[n:].fill_(-1)
         self.ancestor_mask[:t].copy_(ancestor_mask)
+        self.depths[:t].copy_(depths)
 
     def clear(self) -> None:
         self.tree_index.fill_(-1)

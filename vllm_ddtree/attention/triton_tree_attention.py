@@ -11,8 +11,14 @@ committed context), and among the new keys (``n = j - ctx``):
   ancestors, the root included).
 
 Ancestors precede their descendants, so a tree query never needs a key past its own index:
-the causal key range bounds both cases. Shapes only decide the grid: no host sync, so a
-launch can be captured in a CUDA graph when its inputs live in persistent buffers.
+the causal key range bounds both cases. Positions are ``ctx`` plus the node's depth (tree
+requests) or index (others). With a sliding window ``W``, a key is also hidden from a query
+more than ``W - 1`` positions ahead of it (vLLM's window: ``W`` positions, the query's own
+included), and key tiles wholly before every query's window are skipped. With attention
+sinks, each query head's sink logit joins the softmax's sum (it adds no value).
+
+Shapes only decide the grid: no host sync, so a launch can be captured in a CUDA graph when
+its inputs live in persistent buffers.
 """
 
 from __future__ import annotations
@@ -40,13 +46,14 @@ _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _tree_attention_kernel(
     Q, K, V, Out, Part, PartLse, block_table, seq_lens, query_start_loc, tree_index,
-    ancestor_mask, stride_qt, stride_qh, stride_ot, stride_oh, stride_ps, stride_ls,
+    ancestor_mask, depths, sinks, stride_qt, stride_qh, stride_ot, stride_oh, stride_ps, stride_ls,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_bt, stride_mt, stride_mn,
-    scale, num_reqs, num_heads, head_size,
+    stride_bt, stride_mt, stride_mn, stride_dt,
+    scale, window, num_reqs, num_heads, head_size,
     QUERIES_PER_KV: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # A program takes BLOCK_Q query tokens of one request and the QUERIES_PER_KV query heads
     # that share one KV head: BLOCK_M rows (query token, head), each key tile read once.
@@ -80,13 +87,26 @@ def _tree_attention_kernel(
                     + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink is a logit every row starts from (in one split only)
+            first = (tl.zeros([BLOCK_M], tl.int32) + split) == 0
+            m_i = tl.where(first, tl.load(sinks + head).to(tl.float32), m_i)
+            l_i = tl.where(first, 1.0, l_i)
         acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
         kv_end = ctx + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
         mask_rows = ancestor_mask + tl.maximum(tree, 0) * stride_mt + offs_m * stride_mn
+        depth_row = depths + tl.maximum(tree, 0) * stride_dt
+        tree_rows = (tl.zeros([BLOCK_M], tl.int32) + tree) >= 0
         kv_begin = 0
+        if HAS_WINDOW:
+            # Query offsets from ctx: a tree node's depth, else its index. The lowest one
+            # bounds the keys any row can see (a tree's root is at depth 0).
+            q_off = tl.where(tree_rows, tl.load(depth_row + offs_m, mask=row_ok & tree_rows,
+                                                other=0), offs_m)
+            lowest = ctx + tile * BLOCK_Q * (tree < 0).to(tl.int32)
+            kv_begin = tl.maximum(lowest - window + 1, 0)
         if NUM_SPLITS > 1:
-            per_split = tl.cdiv(tl.cdiv(kv_end, TILE_N), NUM_SPLITS) * TILE_N
-            kv_begin = split * per_split
+            per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, TILE_N), NUM_SPLITS) * TILE_N
+            kv_begin = kv_begin + split * per_split
             kv_end = tl.minimum(kv_end, kv_begin + per_split)
         for tile_start in range(kv_begin, kv_end, TILE_N):
             offs_n = tile_start + tl.arange(0, TILE_N)
@@ -114,6 +134,11 @@ def _tree_attention_kernel(
             in_tree = ((word >> (tl.maximum(new, 0) % 32)[None, :]) & 1) != 0
             allowed = (new < 0)[None, :] | tl.where(is_tree, in_tree, causal)
             allowed = allowed & n_ok[None, :]
+            if HAS_WINDOW:  # key offsets from ctx: negative in the context
+                tree_key = (new >= 0) & ((tl.zeros([TILE_N], tl.int32) + tree) >= 0)
+                k_off = tl.where(tree_key, tl.load(depth_row + tl.maximum(new, 0),
+                                                   mask=tree_key & n_ok, other=0), new)
+                allowed = allowed & ((q_off[:, None] - k_off[None, :]) < window)
             # Padding rows see everything (their output is never stored): no NaN from -inf.
             allowed = allowed | ~row_ok[:, None]
             s = tl.where(allowed, s, float("-inf"))
@@ -168,6 +193,9 @@ def tree_attention(
     tree_index: torch.Tensor,  # int32 [num_reqs]: row of ancestor_mask, -1 without a tree
     ancestor_mask: torch.Tensor,  # int32 [num_trees, num_nodes, words] (vllm_ddtree/tree.py)
     scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: one logit per query head
+    depths: torch.Tensor | None = None,  # int32 [num_trees, num_nodes]: with a window
     block_m: int = BLOCK_M,
     tile_n: int = TILE_N,
     num_splits: int = 1,
@@ -178,7 +206,8 @@ def tree_attention(
     a KV head (at least that many heads), tile_n keys per step. num_splits > 1 (a power of
     2) splits each request's keys across that many programs, whose partial results a second
     launch merges: more parallelism when few requests face long contexts. num_warps: the
-    main kernel's warps per program."""
+    main kernel's warps per program. sliding_window: vLLM's window of a layer (positions a
+    query sees, its own included; None: all); it needs the trees' ``depths``."""
     num_tokens, num_heads, head_size = query.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -194,8 +223,18 @@ def tree_attention(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"tree_attention: argument 'num_splits' must be a power of 2, got "
                          f"{num_splits}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"tree_attention: argument 'sliding_window' must be at least 1 or "
+                         f"None, got {sliding_window}")
+    if sliding_window is not None and depths is None and ancestor_mask.shape[0]:
+        raise ValueError("tree_attention: argument 'depths' is needed with a sliding window")
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"tree_attention: argument 'sinks' must have shape ({num_heads},), "
+                         f"got {tuple(sinks.shape)}")
     if ancestor_mask.numel() == 0:  # keep a valid pointer for the kernel
         ancestor_mask = ancestor_mask.new_zeros(1, 1, 1)
+    if depths is None or depths.numel() == 0:
+        depths = ancestor_mask.new_zeros(1, 1)
     queries_per_kv = num_heads // num_kv_heads
     block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
@@ -208,15 +247,17 @@ def tree_attention(
     grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads, num_splits)
     _tree_attention_kernel[grid](
         query, key_cache, value_cache, out, part, part_lse, block_table, seq_lens,
-        query_start_loc, tree_index, ancestor_mask,
+        query_start_loc, tree_index, ancestor_mask, depths,
+        sinks if sinks is not None else query,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         part.stride(0), part_lse.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
-        scale, num_reqs, num_heads, head_size,
+        depths.stride(0), scale, sliding_window or 0, num_reqs, num_heads, head_size,
         QUERIES_PER_KV=queries_per_kv, HEAD=head, BLOCK_M=block_m, BLOCK_Q=block_q,
         PAGE=page, TILE_N=tile_n, NUM_SPLITS=num_splits, UPCAST_DOTS=_UPCAST_DOTS,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps,
     )
     if num_splits > 1 and num_tokens > 0:

@@ -9,6 +9,7 @@
 namespace vllm_ddtree {
 
 constexpr int64_t kMaxBudget = 1024;  // keep in sync with vllm_ddtree/tree.py MAX_BUDGET
+static_assert(kMaxBudget < 2048, "a Candidate packs parent and rank in 11 bits each");
 
 #define DDTREE_CHECK_ARG(cond, op, name, ...) \
   TORCH_CHECK(cond, op, ": argument '", name, "' ", __VA_ARGS__)
@@ -101,6 +102,10 @@ inline void check_compact_args(at::TensorList kv_caches,
   check_size(op, "num_accepted", num_accepted, 0, accepted.size(0), "one per request");
   check_size(op, "query_start_loc", query_start_loc, 0, accepted.size(0) + 1,
              "num_reqs + 1 offsets");
+  // On CUDA an empty map reads as "no map" (hidden rows): a cache would take token indices
+  // for slots.
+  DDTREE_CHECK_ARG(kv_caches.empty() || slot_mapping.numel() > 0, op, "slot_mapping",
+                   "must not be empty when kv_caches are given");
   for (const auto& cache : kv_caches) {
     DDTREE_CHECK_ARG(cache.dim() == 4, op, "kv_caches",
                      "entries must be 4-D [num_blocks, num_kv_heads, block_size, C], got ",

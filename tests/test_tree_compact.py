@@ -129,14 +129,30 @@ def args(**change):
     return list((base | change).values())
 
 
+@settings(max_examples=100, deadline=None)
+@given(case=compact_cases())
+def test_a_cache_listed_twice_is_compacted_as_once(case) -> None:
+    # Cross-layer KV sharing lists one cache under two layers (the CUDA op's twin test is
+    # in tests/cuda).
+    inputs = compact_inputs(case)
+    step = [inputs[k] for k in ("slot_mapping", "query_start_loc", "accepted",
+                                "num_accepted")]
+    once, twice = inputs["kv_caches"][0], inputs["kv_caches"][0].clone()
+    torch.ops.vllm_ddtree.compact_tree([once], torch.empty(0), *step)
+    torch.ops.vllm_ddtree.compact_tree([twice, twice], torch.empty(0), *step)
+    assert torch.equal(bits(once), bits(twice))
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(accepted=torch.tensor([[9, -1]], dtype=torch.int32)), "argument 'accepted'"),
     (dict(accepted=torch.tensor([[0, -1]], dtype=torch.int32)), "argument 'accepted'"),
     (dict(num_accepted=torch.tensor([3], dtype=torch.int32)), "argument 'num_accepted'"),
     (dict(slot_mapping=torch.tensor([0, 1, 99, 3])), "argument 'slot_mapping'"),
     (dict(slot_mapping=torch.tensor([0, 1])), "argument 'slot_mapping'"),
+    (dict(slot_mapping=torch.zeros(0, dtype=torch.long)), "argument 'slot_mapping' must not be"),
     (dict(kv_caches=[torch.zeros(2, 16, 4)]), "argument 'kv_caches'"),
     (dict(query_start_loc=torch.tensor([0, 2, 4])), "argument 'query_start_loc'"),
+    (dict(query_start_loc=torch.tensor([-2, 4])), "argument 'query_start_loc' must be non-neg"),
     (dict(accepted=torch.tensor([[2, -1]])), "argument 'accepted' has wrong dtype"),
     (dict(hidden_states=torch.zeros(2, 3)), "argument 'hidden_states'"),
     (dict(num_accepted=torch.tensor([1], dtype=torch.int32, device="meta")),

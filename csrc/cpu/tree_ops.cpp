@@ -111,6 +111,8 @@ void compact_tree_cpu(at::TensorList kv_caches, const at::Tensor& hidden_states,
   const int64_t rows = hidden_states.numel() > 0 ? hidden_states.size(0) : 0;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t n = num.data_ptr<int32_t>()[r], len = qs[r + 1] - qs[r];
+    DDTREE_CHECK_ARG(qs[r] >= 0 && len >= 0, op, "query_start_loc",
+                     "must be non-negative and non-decreasing, got ", qs[r], " then ", qs[r + 1]);
     DDTREE_CHECK_ARG(n >= 0 && n <= D && n < std::max<int64_t>(len, 1), op, "num_accepted",
                      "request ", r, " has ", n, " accepted of ", len, " query tokens");
     for (int64_t j = 0; j < n; ++j) {

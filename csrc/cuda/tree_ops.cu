@@ -7,6 +7,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "../tree.h"
 #include "../tree_checks.h"
 #include "../tree_outputs.h"
@@ -24,31 +27,51 @@ __global__ void tree_positions_kernel(const int64_t* __restrict__ seq_lens,
   if (idx < total) positions[idx] = seq_lens[idx / num_nodes] + depths[idx];
 }
 
-// One block per request: thread 0 runs the best-first heap (in shared memory), then every
-// thread fills ancestor masks of its nodes by walking their parent chains (depth <= L).
+// Shared memory of one request's build: the heap, then the tree's rows (the builder reads
+// back a parent's depth and score and a node's last child at every step: in shared memory
+// these dependent reads take tens of cycles, where global memory's went through L2).
+constexpr size_t kBuildBytesPerNode =
+    sizeof(Candidate) + sizeof(int64_t) + sizeof(float) + 5 * sizeof(int32_t);
+static_assert((kMaxBudget + 1) * kBuildBytesPerNode <= 48 * 1024,
+              "a build must fit the default 48 KiB of dynamic shared memory");
+
+// One block per request: thread 0 runs the best-first heap and writes the tree's rows in
+// shared memory; then every thread copies rows out and fills ancestor masks of its nodes by
+// walking their parent chains (depth <= L).
 __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
                                   const float* __restrict__ logprobs,
                                   const int64_t* __restrict__ ids, int32_t L, int32_t K,
                                   int32_t budget, bool spine, int64_t* token_ids,
                                   int32_t* parents, int32_t* depths, int32_t* first_child,
                                   int32_t* next_sibling, int32_t* mask, float* scores) {
-  extern __shared__ unsigned char smem[];
+  extern __shared__ __align__(8) unsigned char smem[];
   const int32_t N = budget + 1, W = (N + 31) / 32;
   const int64_t r = blockIdx.x;
   auto* heap = reinterpret_cast<Candidate*>(smem);
-  auto* last_child = reinterpret_cast<int32_t*>(heap + N);
+  auto* s_tokens = reinterpret_cast<int64_t*>(heap + N);
+  auto* s_scores = reinterpret_cast<float*>(s_tokens + N);
+  auto* s_parents = reinterpret_cast<int32_t*>(s_scores + N);
+  int32_t* s_depths = s_parents + N;
+  int32_t* s_first = s_depths + N;
+  int32_t* s_next = s_first + N;
+  int32_t* s_last = s_next + N;
   if (threadIdx.x == 0) {
-    TreeRows rows{token_ids + r * N, parents + r * N,      depths + r * N, first_child + r * N,
-                  next_sibling + r * N, scores + r * N, last_child};
+    TreeRows rows{s_tokens, s_parents, s_depths, s_first, s_next, s_scores, s_last};
     build_one_tree(logprobs + r * L * K, ids + r * L * K, L, K, budget, spine, roots[r], heap,
                    rows);
   }
   __syncthreads();
-  const int32_t* par = parents + r * N;
   for (int32_t i = threadIdx.x; i < N; i += blockDim.x) {
-    int32_t* m = mask + (r * N + i) * W;
+    const int64_t o = r * N + i;
+    token_ids[o] = s_tokens[i];
+    parents[o] = s_parents[i];
+    depths[o] = s_depths[i];
+    first_child[o] = s_first[i];
+    next_sibling[o] = s_next[i];
+    scores[o] = s_scores[i];
+    int32_t* m = mask + o * W;
     for (int32_t w = 0; w < W; ++w) m[w] = 0;
-    for (int32_t j = i, hops = 0; j >= 0 && j < N && hops <= N; j = par[j], ++hops) {
+    for (int32_t j = i, hops = 0; j >= 0 && j < N && hops <= N; j = s_parents[j], ++hops) {
       m[j / 32] |= static_cast<int32_t>(1u << (j % 32));
     }
   }
@@ -80,6 +103,7 @@ __global__ void compact_kernel(word_t* data, Entries e, const int64_t* slot_mapp
                                int32_t D) {
   const int64_t r = blockIdx.x;
   const int64_t start = query_start[r], len = query_start[r + 1] - start;
+  if (start < 0) return;  // malformed (the whole block returns: no barrier is split)
   const int32_t n = num_accepted[r];
   for (int32_t j = 0; j < n && j < D && j + 1 < len; ++j) {
     const int64_t node = accepted[r * D + j];
@@ -150,7 +174,7 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
   const auto roots = root_tokens.contiguous();
   TreeOutputs out(R, N, ids, lp);
   if (R > 0) {
-    const size_t smem = N * (sizeof(Candidate) + sizeof(int32_t));
+    const size_t smem = N * kBuildBytesPerNode;
     build_tree_kernel<<<R, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
         roots.data_ptr<int64_t>(), lp.data_ptr<float>(), ids.data_ptr<int64_t>(), L, K,
         budget, spine, out.token_ids.data_ptr<int64_t>(), out.parents.data_ptr<int32_t>(),
@@ -194,7 +218,28 @@ void compact_tree_cuda(at::TensorList kv_caches, const at::Tensor& hidden_states
   const auto qs = query_start_loc.to(at::kLong).contiguous();
   const auto acc = accepted.contiguous(), num = num_accepted.contiguous();
   const auto slots = slot_mapping.contiguous();
+  // All or nothing: element sizes the copy kernel lacks are refused before the first launch.
+  const auto copyable = [](const at::Tensor& t) {
+    const auto size = t.element_size();
+    return size == 1 || size == 2 || size == 4 || size == 8;
+  };
+  for (const auto& t : kv_caches) {
+    TORCH_CHECK(copyable(t), "compact_tree: argument 'kv_caches' has an unsupported element "
+                "size ", t.element_size());
+  }
+  TORCH_CHECK(hidden_states.numel() == 0 || copyable(hidden_states), "compact_tree: argument "
+              "'hidden_states' has an unsupported element size ", hidden_states.element_size());
+  std::vector<const at::Tensor*> done;
   for (const auto& cache : kv_caches) {
+    // A layer sharing another's cache (cross-layer KV sharing) lists the same tensor twice.
+    // Each launch runs a request's whole path, so a second pass would move moved entries
+    // again (the CPU op copies all caches per path step, where a repeat is harmless).
+    const bool repeat = std::any_of(done.begin(), done.end(), [&](const at::Tensor* t) {
+      return t->data_ptr() == cache.data_ptr() && t->sizes() == cache.sizes() &&
+             t->strides() == cache.strides() && t->dtype() == cache.dtype();
+    });
+    if (repeat) continue;
+    done.push_back(&cache);
     const Entries e{cache.size(2),  cache.stride(0), cache.stride(1), cache.stride(2),
                     cache.stride(3), cache.size(1),  cache.size(3),
                     cache.size(0) * cache.size(2)};

@@ -57,6 +57,23 @@ def test_compact_cuda_equals_cpu(case) -> None:
     assert torch.equal(cpu["hidden_states"], gpu["hidden_states"].cpu())
 
 
+@settings(max_examples=100, deadline=None)
+@given(case=compact_cases())
+def test_compact_cuda_with_a_cache_listed_twice(case) -> None:
+    # Cross-layer KV sharing lists one cache under two layers: it is compacted once, as the
+    # CPU op (which copies every cache per path step) leaves it.
+    inputs = compact_inputs(case)
+    cache = inputs["kv_caches"][0]
+    step = [inputs[k] for k in ("slot_mapping", "query_start_loc", "accepted",
+                                "num_accepted")]
+    want = cache.clone()
+    torch.ops.vllm_ddtree.compact_tree([want], torch.empty(0), *step)
+    got = cache.to(CUDA)
+    torch.ops.vllm_ddtree.compact_tree([got, got], torch.empty(0, device=CUDA),
+                                       *to(CUDA, *step))
+    assert torch.equal(want.view(torch.uint8), got.cpu().view(torch.uint8))
+
+
 def test_tree_positions_cuda_equals_cpu() -> None:
     seq_lens = torch.randint(0, 10_000, (7,))
     depths = torch.randint(0, 16, (7, 65), dtype=torch.int32)

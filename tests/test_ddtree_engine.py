@@ -517,21 +517,30 @@ def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path, mo
     assert stats["longest_accepted"] >= 4 and stats["paths_off_the_index_line"] > 0, stats
 
 
-def gpt_oss_pair(tiny_models: Path, out: Path, window: int) -> Path:
-    """A random tiny gpt-oss target (attention sinks in every layer, a sliding window in
-    every other one, mixture-of-experts MLPs) with the tiny pair's tokenizer, and the tiny
-    DFlash drafter (the same hidden size and vocabulary)."""
+def other_target_pair(tiny_models: Path, out: Path, family: str) -> Path:
+    """A random tiny target of another family DFlash drafts for, with the tiny pair's
+    tokenizer, and the tiny DFlash drafter (the same hidden size and vocabulary): "llama"
+    (Llama 3.1's rope scaling) or "gpt-oss" (attention sinks in every layer, a sliding window
+    of 4 positions in every other one, mixture-of-experts MLPs)."""
     import shutil
 
-    from transformers import GptOssConfig, GptOssForCausalLM
+    from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
 
     config = json.loads((tiny_models / "target" / "config.json").read_text())
+    common = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=config["vocab_size"],
+                  max_position_embeddings=4096, eos_token_id=config["eos_token_id"],
+                  bos_token_id=config["bos_token_id"])
     torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(
-        num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, hidden_size=128,
-        intermediate_size=128, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=config["vocab_size"], sliding_window=window, max_position_embeddings=4096,
-        eos_token_id=config["eos_token_id"], bos_token_id=config["bos_token_id"]))
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(
+            **common, intermediate_size=256, head_dim=32, rope_scaling={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 512}))
+    else:
+        model = GptOssForCausalLM(GptOssConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
+            head_dim=64, sliding_window=4))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0, 1.0 if "sinks" in name else 0.05 if p.dim() > 1 else 0.02)
@@ -543,16 +552,21 @@ def gpt_oss_pair(tiny_models: Path, out: Path, window: int) -> Path:
 
 
 @pytest.mark.slow
-def test_gpt_oss_target_with_sinks_and_windows_is_lossless(tiny_models: Path,
-                                                           tmp_path: Path,
-                                                           monkeypatch) -> None:
-    """gpt-oss's attention: sinks in every layer, a window of 4 positions in every other
-    one (two KV cache groups, one windowed). Trees accepted deep and off the chain (the
-    oracle drafter), output equals the target alone's."""
+@pytest.mark.parametrize("family", ["llama", "gpt-oss"])
+def test_other_target_families_are_lossless(tiny_models: Path, tmp_path: Path, monkeypatch,
+                                            family) -> None:
+    """Llama, and gpt-oss's attention: sinks in every layer, a window of 4 positions in
+    every other one (two KV cache groups, one windowed). Trees accepted deep and off the
+    chain (the oracle drafter), output equals the target alone's."""
     from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
     from vllm_ddtree.runner import DDTreeProposer
 
-    pair = gpt_oss_pair(tiny_models, tmp_path, window=4)
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    # In-process engines keep the first one's parallel groups; a mixture-of-experts model
+    # needs its expert-parallel group, which a dense model's engine did not make.
+    cleanup_dist_env_and_memory()
+    pair = other_target_pair(tiny_models, tmp_path, family)
     outputs, llm = generate(pair, None, max_tokens=MAX_TOKENS + 16)
     target = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
     prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
@@ -565,8 +579,10 @@ def test_gpt_oss_target_with_sinks_and_windows_is_lossless(tiny_models: Path,
         p: t[:MAX_TOKENS] for p, t in target.items()}
     impls = [m.impl for m in ddtree_state(llm).runner.model.modules() if hasattr(m, "impl")
              and isinstance(m.impl, TreeAttentionCPUImpl)]
-    assert sorted(i.sliding_window for i in impls) == [-1, -1, 4, 4]
-    assert all(i.sinks is not None for i in impls)
+    assert len(impls) == 4
+    if family == "gpt-oss":
+        assert sorted(i.sliding_window for i in impls) == [-1, -1, 4, 4]
+        assert all(i.sinks is not None for i in impls)
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 4 and stats["paths_off_the_index_line"] > 0, stats
 

@@ -92,6 +92,7 @@ def test_drafter_reserves_its_block_not_the_tree(tiny_models: Path, budget) -> N
     ({}, {"kv_cache_dtype": "fp8"}, r"cache_config.cache_dtype is 'fp8': TREE_ATTN keeps"),
     ({}, {"pipeline_parallel_size": 2},
      r"parallel_config.pipeline_parallel_size is 2: method 'ddtree' runs without pipeline"),
+    ({}, {"enable_dbo": True}, r"parallel_config.enable_dbo / ubatch_size: method 'ddtree'"),
 ])
 def test_bad_config_fails_at_startup_naming_the_field(tiny_models: Path, tmp_path: Path, spec,
                                                        engine_kwargs, message) -> None:
@@ -104,6 +105,13 @@ def test_bad_config_fails_at_startup_naming_the_field(tiny_models: Path, tmp_pat
     spec["model"] = models.get(spec["model"], spec["model"])
     with pytest.raises(ValueError, match=message):
         engine_config(tiny_models, spec, **engine_kwargs)
+
+
+def test_v2_model_runner_is_refused(tiny_models: Path, monkeypatch) -> None:
+    # V2 has none of the tree hooks: forced by its variable, it would run without trees.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER is set: method 'ddtree'"):
+        engine_config(tiny_models, {"method": "ddtree", "model": str(tiny_models / "drafter")})
 
 
 def test_recurrent_target_is_refused(tiny_models: Path) -> None:

@@ -558,10 +558,10 @@ def test_other_target_families_are_lossless(tiny_models: Path, tmp_path: Path, m
     """Llama, and gpt-oss's attention: sinks in every layer, a window of 4 positions in
     every other one (two KV cache groups, one windowed). Trees accepted deep and off the
     chain (the oracle drafter), output equals the target alone's."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
     from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
     from vllm_ddtree.runner import DDTreeProposer
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     # In-process engines keep the first one's parallel groups; a mixture-of-experts model
     # needs its expert-parallel group, which a dense model's engine did not make.

@@ -260,3 +260,7 @@ def test_cuda_backend_glue_on_the_interpreter(kinds, contexts, window, with_sink
     # Without installed trees every request runs causal: a plain batch's attention.
     plain = builder.build(0, common)
     assert (plain.tree_index == -1).all()
+    # vLLM's fusion pass must not hand it output scales (its forward refuses them).
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8StaticTensorSym
+
+    assert not impl.fused_output_quant_supported(kFp8StaticTensorSym)

@@ -108,6 +108,7 @@ def deriving_drafter_config() -> Iterator[None]:
 
 def verify_vllm_config(vllm_config: Any) -> None:
     """In VllmConfig.__post_init__: checks that need the scheduler and attention settings."""
+    from vllm import envs
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -135,6 +136,14 @@ def verify_vllm_config(vllm_config: Any) -> None:
         raise ValueError(f"parallel_config.pipeline_parallel_size is "
                          f"{vllm_config.parallel_config.pipeline_parallel_size}: method "
                          f"'ddtree' runs without pipeline parallelism (use tensor parallelism)")
+    if vllm_config.parallel_config.use_ubatching:
+        # Micro-batches each build their own attention metadata over a slice of the batch;
+        # the step's trees are laid out for the whole batch.
+        raise ValueError("parallel_config.enable_dbo / ubatch_size: method 'ddtree' does "
+                         "not split a step into micro-batches; leave them unset")
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError("VLLM_USE_V2_MODEL_RUNNER is set: method 'ddtree' verifies trees "
+                         "in the V1 model runner (which it selects by itself); unset it")
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
     if spec.tree_budget + 1 > tokens:
         raise ValueError(f"speculative_config.tree_budget is {spec.tree_budget}: a verify step "

@@ -87,6 +87,9 @@ class TreeAttentionImpl(TritonAttentionImpl):
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, **kwargs)
 
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        return False  # the tree kernel writes the model's dtype (forward refuses scales)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if output_scale is not None or output_block_scale is not None:

@@ -53,7 +53,7 @@ def _tree_attention_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # A program takes BLOCK_Q query tokens of one request and the QUERIES_PER_KV query heads
     # that share one KV head: BLOCK_M rows (query token, head), each key tile read once.
@@ -96,6 +96,9 @@ def _tree_attention_kernel(
         mask_rows = ancestor_mask + tl.maximum(tree, 0) * stride_mt + offs_m * stride_mn
         depth_row = depths + tl.maximum(tree, 0) * stride_dt
         tree_rows = (tl.zeros([BLOCK_M], tl.int32) + tree) >= 0
+        # int64: with the head-major cache layout a head's offset alone may pass 2**31.
+        head_k = kv_head.to(tl.int64) * stride_kh
+        head_v = kv_head.to(tl.int64) * stride_vh
         kv_begin = 0
         if HAS_WINDOW:
             # Query offsets from ctx: a tree node's depth, else its index. The lowest one
@@ -116,15 +119,15 @@ def _tree_attention_kernel(
                             other=0).to(tl.int64)
             slot = (offs_n % PAGE)[:, None]
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + block[:, None] * stride_kb + slot * stride_kn + kv_head * stride_kh
+            k = tl.load(K + block[:, None] * stride_kb + slot * stride_kn + head_k
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + block[:, None] * stride_vb + slot * stride_vn + kv_head * stride_vh
+            v = tl.load(V + block[:, None] * stride_vb + slot * stride_vn + head_v
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST_DOTS:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
                 q = q.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
             new = offs_n - ctx  # index among this step's tokens (negative: context)
             in_new = (new >= 0)[None, :] & row_ok[:, None] & n_ok[None, :]
             causal = new[None, :] <= offs_m[:, None]
@@ -148,7 +151,8 @@ def _tree_attention_kernel(
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                                input_precision=DOT_PRECISION).to(tl.float32)
             m_i = m_new
         store_mask = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
@@ -258,6 +262,9 @@ def tree_attention(
         QUERIES_PER_KV=queries_per_kv, HEAD=head, BLOCK_M=block_m, BLOCK_Q=block_q,
         PAGE=page, TILE_N=tile_n, NUM_SPLITS=num_splits, UPCAST_DOTS=_UPCAST_DOTS,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+        # float32 dots in float32 (a GPU's default, TF32, keeps 10 mantissa bits); 16-bit
+        # inputs are unaffected.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
     if num_splits > 1 and num_tokens > 0:

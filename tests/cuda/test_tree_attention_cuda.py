@@ -12,6 +12,18 @@ from test_tree_attention import CASES, TOLERANCE
 from vllm_ddtree.attention.triton_tree_attention import tree_attention
 
 
+def run_on_gpu(batch, **kwargs) -> torch.Tensor:
+    """The kernel on the batch's tensors moved to the GPU; its output back on the CPU."""
+    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.__dict__.items()}
+    out = torch.full_like(cuda["query"], float("nan"))
+    tree_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"], out,
+                   cuda["block_table"], cuda["seq_lens"], cuda["query_start_loc"],
+                   cuda["tree_index"], cuda["ancestor_mask"], batch.scale,
+                   depths=cuda["depths"], **kwargs)
+    return out.cpu()
+
+
 @pytest.mark.parametrize("dtype, head_size, heads, page", [
     (torch.float32, 64, (4, 4), 16), (torch.bfloat16, 128, (8, 2), 32),
     (torch.bfloat16, 64, (32, 8), 16), (torch.float16, 128, (8, 1), 16)])
@@ -20,13 +32,7 @@ def test_kernel_on_gpu_matches_dense_reference(dtype, head_size, heads, page, ca
     kinds, num_nodes, contexts = CASES[case]
     batch = make_batch(case, kinds, num_nodes, contexts, heads[0], heads[1], head_size, page,
                        dtype)
-    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.__dict__.items()}
-    out = torch.full_like(cuda["query"], float("nan"))
-    tree_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"], out,
-                   cuda["block_table"], cuda["seq_lens"], cuda["query_start_loc"],
-                   cuda["tree_index"], cuda["ancestor_mask"], batch.scale)
-    err = (out.cpu().double() - dense_reference(batch)).abs().max().item()
+    err = (run_on_gpu(batch).double() - dense_reference(batch)).abs().max().item()
     assert err <= TOLERANCE.get(dtype, 3e-2), err
 
 
@@ -38,15 +44,8 @@ def test_window_and_sinks_on_gpu_match_dense_reference(window, splits, case) -> 
     batch = make_batch(case, kinds, num_nodes, [c + 150 for c in contexts], 16, 2, 64, 16,
                        torch.bfloat16)
     sinks = torch.linspace(-2.0, 3.0, 16, dtype=torch.bfloat16)
-    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.__dict__.items()}
-    out = torch.full_like(cuda["query"], float("nan"))
-    tree_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"], out,
-                   cuda["block_table"], cuda["seq_lens"], cuda["query_start_loc"],
-                   cuda["tree_index"], cuda["ancestor_mask"], batch.scale,
-                   sliding_window=window, sinks=sinks.cuda(), depths=cuda["depths"],
-                   num_splits=splits)
-    err = (out.cpu().double() - dense_reference(batch, window, sinks)).abs().max().item()
+    out = run_on_gpu(batch, sliding_window=window, sinks=sinks.cuda(), num_splits=splits)
+    err = (out.double() - dense_reference(batch, window, sinks)).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16], err
 
 
@@ -56,14 +55,9 @@ def test_window_and_sinks_on_gpu_match_dense_reference(window, splits, case) -> 
 def test_kernel_tile_sizes_and_splits_on_gpu(block_m, tile_n, splits, warps) -> None:
     batch = make_batch(5, ["decode", "star", "prefill", "deep", "bushy"], 40, [1, 16, 0, 95, 64],
                        32, 8, 128, 16, torch.bfloat16)
-    cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.__dict__.items()}
-    out = torch.full_like(cuda["query"], float("nan"))
-    tree_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"], out,
-                   cuda["block_table"], cuda["seq_lens"], cuda["query_start_loc"],
-                   cuda["tree_index"], cuda["ancestor_mask"], batch.scale,
-                   block_m=block_m, tile_n=tile_n, num_splits=splits, num_warps=warps)
-    err = (out.cpu().double() - dense_reference(batch)).abs().max().item()
+    out = run_on_gpu(batch, block_m=block_m, tile_n=tile_n, num_splits=splits,
+                     num_warps=warps)
+    err = (out.double() - dense_reference(batch)).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16], err
 
 

@@ -43,7 +43,9 @@ SWEPT_CONFIGS = [(16, 16, 1, 4), (16, 64, 1, 4), (32, 32, 1, 4), (64, 32, 1, 4),
 _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+# num_reqs changes from step to step: specializing it (== 1, multiple of 16) would compile
+# new variants in the middle of serving.
+@triton.jit(do_not_specialize=["num_reqs"])
 def _tree_attention_kernel(
     Q, K, V, Out, Part, PartLse, block_table, seq_lens, query_start_loc, tree_index,
     ancestor_mask, depths, sinks, stride_qt, stride_qh, stride_ot, stride_oh, stride_ps, stride_ls,

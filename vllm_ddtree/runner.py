@@ -323,17 +323,12 @@ class DDTreeState:
         draft = getattr(runner.drafter, "_draft_attn_layer_names", set())
         context = runner.compilation_config.static_forward_context
         for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-            layers, seen = [], set()
-            for name in group.layer_names:
-                if name in draft or name not in context:
-                    continue
-                cache = context[name].kv_cache
-                # Layers sharing another layer's cache (cross-layer KV sharing) list the
-                # same tensor: compact it once.
-                if isinstance(cache, torch.Tensor) and cache.dim() == 4 \
-                        and cache.data_ptr() not in seen:
-                    seen.add(cache.data_ptr())
-                    layers.append((context[name], cache))
+            # Layers sharing another's cache (cross-layer KV sharing) list the same tensor
+            # again; compact_tree compacts a repeated cache once.
+            layers = [(context[name], context[name].kv_cache) for name in group.layer_names
+                      if name not in draft and name in context]
+            layers = [(layer, c) for layer, c in layers
+                      if isinstance(c, torch.Tensor) and c.dim() == 4]
             if layers:
                 yield layers, runner.input_batch.block_table[gid].slot_mapping.gpu
 

@@ -96,8 +96,6 @@ def _tree_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
         kv_end = ctx + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
         mask_rows = ancestor_mask + tl.maximum(tree, 0) * stride_mt + offs_m * stride_mn
-        depth_row = depths + tl.maximum(tree, 0) * stride_dt
-        tree_rows = (tl.zeros([BLOCK_M], tl.int32) + tree) >= 0
         # int64: with the head-major cache layout a head's offset alone may pass 2**31.
         head_k = kv_head.to(tl.int64) * stride_kh
         head_v = kv_head.to(tl.int64) * stride_vh
@@ -105,6 +103,8 @@ def _tree_attention_kernel(
         if HAS_WINDOW:
             # Query offsets from ctx: a tree node's depth, else its index. The lowest one
             # bounds the keys any row can see (a tree's root is at depth 0).
+            depth_row = depths + tl.maximum(tree, 0) * stride_dt
+            tree_rows = (tl.zeros([BLOCK_M], tl.int32) + tree) >= 0
             q_off = tl.where(tree_rows, tl.load(depth_row + offs_m, mask=row_ok & tree_rows,
                                                 other=0), offs_m)
             lowest = ctx + tile * BLOCK_Q * (tree < 0).to(tl.int32)

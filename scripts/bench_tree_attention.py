@@ -7,9 +7,14 @@ swept. Median of
 repeated CUDA-event timings, side by side, one run.
 
     python3 scripts/bench_tree_attention.py [--repeats 50] [--json FILE]
+    python3 scripts/bench_tree_attention.py --shape gpt-oss   # a sliding window and sinks
 
-Before timing a case it checks that the kernel's causal output equals SDPA's. With
---device cpu (Triton's interpreter, TRITON_INTERPRET=1) it runs tiny cases as a smoke test.
+--shape qwen3-8b (the default) is Qwen3-8B's attention; gpt-oss is a windowed layer of
+gpt-oss (a 128-position window, sinks; no sweep): there the kernel is also timed without
+the window (every key read), which shows what skipping the key tiles before the window buys.
+Before timing a case it checks that the kernel's causal output equals SDPA's (windowed, a
+sink as one more key). With --device cpu (Triton's interpreter, TRITON_INTERPRET=1) it runs
+tiny cases as a smoke test.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +38,19 @@ from vllm_ddtree.attention.triton_tree_attention import (
     tree_attention,
 )
 
-HEADS, KV_HEADS, HEAD_SIZE, PAGE = 32, 8, 128, 16  # Qwen3-8B's attention shape
+PAGE = 16
+
+
+class Shape(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_size: int
+    window: int | None  # vLLM's sliding window: positions a query sees, its own included
+    sinks: bool
+
+
+SHAPES = {"qwen3-8b": Shape(32, 8, 128, None, False),
+          "gpt-oss": Shape(64, 8, 64, 128, True)}  # its sliding-window layers
 
 
 def median_ms(fn, repeats: int, dev: torch.device) -> float:
@@ -55,16 +73,18 @@ def median_ms(fn, repeats: int, dev: torch.device) -> float:
     return statistics.median(times)
 
 
-def bench(budget: int, num_reqs: int, context: int, repeats: int, dev: torch.device) -> dict:
+def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
+          dev: torch.device, sweep: bool) -> dict:
     dtype = torch.bfloat16
+    heads, kv_heads, head_size = shape.heads, shape.kv_heads, shape.head_size
     q_len, seq_len = budget + 1, context + budget + 1
     blocks_per_req = -(-seq_len // PAGE)
-    key_cache = torch.randn(num_reqs * blocks_per_req, PAGE, KV_HEADS, HEAD_SIZE, device=dev,
+    key_cache = torch.randn(num_reqs * blocks_per_req, PAGE, kv_heads, head_size, device=dev,
                             dtype=dtype)
     value_cache = torch.randn_like(key_cache)
     block_table = torch.randperm(num_reqs * blocks_per_req, device=dev, dtype=torch.int32)
     block_table = block_table.view(num_reqs, blocks_per_req)
-    query = torch.randn(num_reqs * q_len, HEADS, HEAD_SIZE, device=dev, dtype=dtype)
+    query = torch.randn(num_reqs * q_len, heads, head_size, device=dev, dtype=dtype)
     out = torch.empty_like(query)
     seq_lens = torch.full((num_reqs,), seq_len, device=dev, dtype=torch.int32)
     qsl = torch.arange(num_reqs + 1, device=dev, dtype=torch.int32) * q_len
@@ -73,39 +93,57 @@ def bench(budget: int, num_reqs: int, context: int, repeats: int, dev: torch.dev
                                        logits, budget)
     tree_index = torch.arange(num_reqs, device=dev, dtype=torch.int32)
     causal_index = torch.full_like(tree_index, -1)
+    sinks = torch.linspace(-1.0, 2.0, heads, device=dev) if shape.sinks else None
 
-    def run(index, config=(BLOCK_M, TILE_N, 1, NUM_WARPS)):
+    def run(index, config=(BLOCK_M, TILE_N, 1, NUM_WARPS), window=shape.window):
         block_m, tile_n, splits, warps = config
         return lambda: tree_attention(query, key_cache, value_cache, out, block_table,
                                       seq_lens, qsl, index, trees.ancestor_mask,
-                                      HEAD_SIZE ** -0.5, block_m=block_m, tile_n=tile_n,
+                                      head_size ** -0.5, sliding_window=window, sinks=sinks,
+                                      depths=trees.depths, block_m=block_m, tile_n=tile_n,
                                       num_splits=splits, num_warps=warps)
 
     # The same keys and values, contiguous per request: [reqs, kv_heads, seq_len, head].
     slots = (block_table.long()[:, :, None] * PAGE + torch.arange(PAGE, device=dev)).flatten(1)
     k = key_cache.flatten(0, 1)[slots[:, :seq_len]].transpose(1, 2).contiguous()
     v = value_cache.flatten(0, 1)[slots[:, :seq_len]].transpose(1, 2).contiguous()
-    q = query.view(num_reqs, q_len, HEADS, HEAD_SIZE).transpose(1, 2)
-    causal = causal_lower_right(q_len, seq_len)
+    q = query.view(num_reqs, q_len, heads, head_size).transpose(1, 2)
+    if shape.window is None and sinks is None:
+        mask = causal_lower_right(q_len, seq_len)
+    else:  # a float mask: the window's band, and a sink as one more key (zero key and value)
+        k = torch.cat([k, k.new_zeros(num_reqs, kv_heads, 1, head_size)], dim=2)
+        v = torch.cat([v, v.new_zeros(num_reqs, kv_heads, 1, head_size)], dim=2)
+        behind = (torch.arange(q_len, device=dev)[:, None] + context
+                  - torch.arange(seq_len, device=dev))  # query position - key position
+        seen = (behind >= 0) & (behind < (shape.window or seq_len))
+        mask = torch.where(seen, 0.0, float("-inf")).to(dtype)
+        sink_col = (sinks if sinks is not None else torch.full((heads,), float("-inf"),
+                                                               device=dev)).to(dtype)
+        mask = torch.cat([mask.expand(heads, q_len, seq_len),
+                          sink_col[:, None, None].expand(heads, q_len, 1)], dim=2)[None]
 
     def sdpa():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     # Like is compared with like: the kernel, all causal, computes what SDPA computes.
     run(causal_index)()
-    err = (out.view(num_reqs, q_len, HEADS, HEAD_SIZE).transpose(1, 2).float()
+    err = (out.view(num_reqs, q_len, heads, head_size).transpose(1, 2).float()
            - sdpa().float()).abs().max().item()
     if err > 3e-2:
         raise SystemExit(f"bench_tree_attention: kernel (causal) != SDPA, max abs error {err}")
     tree_ms = median_ms(run(tree_index), repeats, dev)
     causal_ms = median_ms(run(causal_index), repeats, dev)
-    swept = {c: median_ms(run(tree_index, c), repeats, dev) for c in SWEPT_CONFIGS}
-    best = min(swept, key=swept.get)
-    return {"budget": budget, "reqs": num_reqs, "context": context, "tree_ms": tree_ms,
-            "causal_ms": causal_ms, "overhead": tree_ms / causal_ms - 1,
-            "sdpa_causal_ms": median_ms(sdpa, repeats, dev), "sdpa_max_abs_diff": err,
-            "configs_ms": {config_name(c): ms for c, ms in swept.items()},
-            "best_config": config_name(best), "best_config_ms": swept[best]}
+    row = {"shape": shape._asdict(), "budget": budget, "reqs": num_reqs, "context": context,
+           "tree_ms": tree_ms, "causal_ms": causal_ms, "overhead": tree_ms / causal_ms - 1,
+           "sdpa_causal_ms": median_ms(sdpa, repeats, dev), "sdpa_max_abs_diff": err}
+    if shape.window is not None:
+        row["tree_no_window_ms"] = median_ms(run(tree_index, window=None), repeats, dev)
+    if sweep:
+        swept = {c: median_ms(run(tree_index, c), repeats, dev) for c in SWEPT_CONFIGS}
+        best = min(swept, key=swept.get)
+        row |= {"configs_ms": {config_name(c): ms for c, ms in swept.items()},
+                "best_config": config_name(best), "best_config_ms": swept[best]}
+    return row
 
 
 def config_name(config: tuple[int, int, int, int]) -> str:
@@ -119,28 +157,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-8b")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--reqs", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    dev = torch.device(args.device)
-    rows = [bench(b, r, c, args.repeats, dev) for c in args.contexts for r in args.reqs
-            for b in args.budgets]
+    dev, shape = torch.device(args.device), SHAPES[args.shape]
+    sweep = shape.window is None  # the sweep's configs are Qwen3-8B's (compile-checked)
+    rows = [bench(shape, b, r, c, args.repeats, dev, sweep) for c in args.contexts
+            for r in args.reqs for b in args.budgets]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU, Triton interpreter"
-    print(f"tree vs causal attention ({name}, bf16, {HEADS} heads, "
-          f"{KV_HEADS} KV heads, head {HEAD_SIZE}, page {PAGE}; median ms; kernel "
-          f"{config_name((BLOCK_M, TILE_N, 1, NUM_WARPS))} = rows (query token x head) x "
-          f"keys per step)\n")
+    extras = (f", window {shape.window}" if shape.window else "") + (
+        ", sinks" if shape.sinks else "")
+    print(f"tree vs causal attention, {args.shape} ({name}, bf16, {shape.heads} heads, "
+          f"{shape.kv_heads} KV heads, head {shape.head_size}, page {PAGE}{extras}; median "
+          f"ms; kernel {config_name((BLOCK_M, TILE_N, 1, NUM_WARPS))} = rows (query token x "
+          f"head) x keys per step)\n")
+    last = (["tree, every key read (no window)"] if shape.window is not None else
+            ["best config", "tree, best config"])
     print("| context | requests | budget | tree | causal, same kernel | tree overhead "
-          "| SDPA causal | tree / SDPA | best config | tree, best config |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| SDPA causal | tree / SDPA | " + " | ".join(last) + " |")
+    print("|---" * (8 + len(last)) + "|")
     for r in rows:
+        cells = ([f"{r['tree_no_window_ms']:.3f}"] if shape.window is not None else
+                 [r["best_config"], f"{r['best_config_ms']:.3f}"])
         print(f"| {r['context']} | {r['reqs']} | {r['budget']} | {r['tree_ms']:.3f} | "
               f"{r['causal_ms']:.3f} | {100 * r['overhead']:+.1f}% | "
               f"{r['sdpa_causal_ms']:.3f} | {r['tree_ms'] / r['sdpa_causal_ms']:.2f}x | "
-              f"{r['best_config']} | {r['best_config_ms']:.3f} |")
+              + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -48,6 +48,9 @@ done
 step "tree attention vs causal (CUDA events, median)"
 check "tree attention benchmark" "$OUT/bench_tree_attention.md" \
   "$PY" scripts/bench_tree_attention.py --json "$OUT/bench_tree_attention.json"
+check "tree attention benchmark, gpt-oss window and sinks" "$OUT/bench_tree_attention.md" \
+  "$PY" scripts/bench_tree_attention.py --shape gpt-oss --budgets 64 \
+  --json "$OUT/bench_tree_attention_gpt_oss.json"
 step "ddtree end to end (needs vLLM in this environment)"
 if "$PY" -c 'import vllm' 2>/dev/null; then
   check "ddtree end to end" "$OUT/ddtree_engine.log" \

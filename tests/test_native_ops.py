@@ -122,4 +122,5 @@ def test_gpu_check_goes_on_after_a_failing_step(tmp_path: Path) -> None:
     assert "gpu_check: FAILED: CUDA tests (exit 1)" in result.stdout
     ran = calls.read_text()
     assert "scripts/bench_tree_ops.py --device cuda --reqs 32" in ran
-    assert "scripts/bench_tree_attention.py" in ran
+    assert "scripts/bench_tree_attention.py --json" in ran
+    assert "scripts/bench_tree_attention.py --shape gpt-oss" in ran

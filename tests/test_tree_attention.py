@@ -242,20 +242,25 @@ def test_cache_of_over_2_31_elements(impl) -> None:
     assert err <= TOLERANCE[torch.bfloat16], f"max abs error {err}"
 
 
-def test_bench_tree_attention_runs(tmp_path) -> None:
+@pytest.mark.parametrize("shape, context", [("qwen3-8b", 20), ("gpt-oss", 140)])
+def test_bench_tree_attention_runs(tmp_path, shape: str, context: int) -> None:
     # The GPU benchmark's code path, tiny, on the interpreter: a device run must not be the
-    # first to execute it. Its own check (kernel, all causal, == SDPA) runs first.
+    # first to execute it. Its own check (kernel, all causal, == SDPA) runs first; gpt-oss's
+    # context reaches past its 128-position window.
     script = Path(__file__).resolve().parent.parent / "scripts/bench_tree_attention.py"
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(script), "--device", "cpu", "--contexts", "20", "--reqs", "2",
-         "--budgets", "4", "--repeats", "1", "--json", str(out)],
+        [sys.executable, str(script), "--device", "cpu", "--shape", shape, "--contexts",
+         str(context), "--reqs", "2", "--budgets", "4", "--repeats", "1", "--json", str(out)],
         capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["sdpa_max_abs_diff"] <= TOLERANCE[torch.bfloat16]
     assert row["tree_ms"] > 0 and row["sdpa_causal_ms"] > 0
-    assert len(row["configs_ms"]) == len(SWEPT_CONFIGS)
+    if shape == "gpt-oss":
+        assert row["shape"]["window"] == 128 and row["tree_no_window_ms"] > 0
+    else:
+        assert len(row["configs_ms"]) == len(SWEPT_CONFIGS)
 
 
 def test_kernels_compile_for_hopper_and_blackwell() -> None:

@@ -806,3 +806,57 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch) -> 
     assert calls == [], sorted(set(calls))
     ddtree_state(llm).stats()  # the metrics read-out syncs, outside the step: it is seen
     assert calls == ["tolist in runner.py:stats"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_path: Path,
+                                                       monkeypatch, family, scheduling) -> None:
+    """TREE_ATTN's CUDA backend inside vLLM's engine, on CPU tensors: vLLM's Triton KV
+    layout, the backend's metadata builder on the runner's real batches, the Triton tree
+    kernel (on Triton's interpreter; for gpt-oss with sinks, and a window in every other
+    layer) and compaction in that layout, trees accepted deep and off the chain: lossless.
+    What a GPU runs, bar the device and vLLM's cache-write kernel (vLLM's CPU build has no
+    Triton: the same write, in torch)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    import vllm_ddtree.attention
+    from vllm_ddtree.attention.backend import TreeAttentionImpl
+    from vllm_ddtree.runner import DDTreeProposer
+
+    def write_kv(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        slots = slot_mapping.long()
+        written = slots >= 0
+        block, offset = slots[written] // key_cache.shape[1], slots[written] % key_cache.shape[1]
+        key_cache[block, offset] = key[:len(slots)][written]
+        value_cache[block, offset] = value[:len(slots)][written]
+
+    cleanup_dist_env_and_memory()  # gpt-oss's experts need their own parallel group
+    pair = tiny_models if family == "qwen3" else other_target_pair(tiny_models, tmp_path,
+                                                                   family)
+    prompts, max_tokens = PROMPTS[:4], 12
+    outputs, llm = generate(pair, None, max_tokens=max_tokens + 16, prompts=prompts)
+    target = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in prompts}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(target, prompt_ids, seed=11))
+    monkeypatch.setattr(vllm_ddtree.attention, "CPU_BACKEND_PATH",
+                        "vllm_ddtree.attention.backend.TreeAttentionBackend")
+    monkeypatch.setattr(TritonAttentionImpl, "do_kv_cache_update", write_kv)
+    outputs, llm = generate(pair, {"method": "ddtree", "tree_budget": 8,
+                                   "model": str(pair / "drafter")},
+                            max_num_seqs=4, max_tokens=max_tokens, prompts=prompts)
+    assert_scheduling(llm, scheduling)
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+        p: t[:max_tokens] for p, t in target.items()}
+    impls = [m.impl for m in ddtree_state(llm).runner.model.modules() if hasattr(m, "impl")
+             and isinstance(m.impl, TreeAttentionImpl)]
+    assert len(impls) == 4
+    if family == "gpt-oss":
+        assert sorted(i.sliding_window[0] for i in impls) == [-1, -1, 3, 3]
+        assert all(i.sinks is not None for i in impls)
+    stats = ddtree_state(llm).stats()
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats

@@ -312,7 +312,8 @@ class DDTreeState:
             if isinstance(h, torch.Tensor) and h.dim() == 2:
                 ops.compact_tree([], h, qsl.new_zeros(1), qsl, verdict)
         if self._kv_groups is None:  # bound once, after the KV caches are allocated
-            self._kv_groups = [(_kv_compaction(caches), slot_mapping)
+            # The layers' attention implementation knows its cache layout.
+            self._kv_groups = [(type(caches[0][0].impl).kv_compaction(caches), slot_mapping)
                                for caches, slot_mapping in self._target_kv_caches()]
         for compact, slot_mapping in self._kv_groups:
             compact(slot_mapping, qsl, verdict)
@@ -331,17 +332,6 @@ class DDTreeState:
                       if isinstance(c, torch.Tensor) and c.dim() == 4]
             if layers:
                 yield layers, runner.input_batch.block_table[gid].slot_mapping.gpu
-
-
-def _kv_compaction(caches: list) -> Any:
-    """compact_tree bound to a KV-cache group's layers: (slot_mapping, qsl, verdict) -> None."""
-    if caches[0][1].device.type == "cpu":
-        from vllm_ddtree.attention.cpu_backend import CPUAttnCompaction
-
-        return CPUAttnCompaction(caches)
-    tensors = [c for _, c in caches]
-    return lambda slot_mapping, qsl, verdict: ops.compact_tree(
-        tensors, qsl.new_empty(0), slot_mapping, qsl, verdict)
 
 
 def _structured(runner: Any, req_id: str) -> bool:

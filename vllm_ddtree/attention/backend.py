@@ -9,6 +9,7 @@ and ``tree_batch``), so a uniform verify batch can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,6 +24,8 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
 from vllm_ddtree.attention.triton_tree_attention import tree_attention
+from vllm_ddtree.ops import compact_tree
+from vllm_ddtree.tree import Verdict
 
 
 class TreeAttentionBackend(TreeAttentionFeatures, TritonAttentionBackend):
@@ -89,6 +92,15 @@ class TreeAttentionImpl(TritonAttentionImpl):
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False  # the tree kernel writes the model's dtype (forward refuses scales)
+
+    @staticmethod
+    def kv_compaction(layers: list) -> Callable[[torch.Tensor, torch.Tensor, Verdict], None]:
+        """compact_tree bound to one KV-cache group's (layer, cache) pairs: each cache is
+        a ``[blocks, kv_heads, block_size, 2 * head_size]`` view (keys and values move
+        together). Called with (slot_mapping, query_start_loc, verdict)."""
+        caches = [cache for _, cache in layers]
+        return lambda slot_mapping, qsl, verdict: compact_tree(
+            caches, qsl.new_empty(0), slot_mapping, qsl, verdict)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

@@ -263,6 +263,12 @@ class TreeAttentionCPUImpl(CPUAttentionBackendImpl):
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, sinks)
 
+    @staticmethod
+    def kv_compaction(layers: list) -> CPUAttnCompaction:
+        """compact_tree bound to one KV-cache group's (layer, cache) pairs, in CPU_ATTN's
+        packing. Called with (slot_mapping, query_start_loc, verdict)."""
+        return CPUAttnCompaction(layers)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         md = attn_metadata

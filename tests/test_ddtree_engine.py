@@ -58,6 +58,12 @@ def ddtree_state(llm):
     return runner.drafter.ddtree_state
 
 
+def attention_impls(llm, cls: type) -> list:
+    """The target's attention implementations of class ``cls``."""
+    return [m.impl for m in ddtree_state(llm).runner.model.modules()
+            if isinstance(getattr(m, "impl", None), cls)]
+
+
 @pytest.fixture(scope="module")
 def baseline(tiny_models: Path) -> dict[str, list]:
     """The target alone (and vLLM's dflash chain), greedy: what ddtree must reproduce."""
@@ -510,8 +516,7 @@ def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path, mo
     assert_scheduling(llm, scheduling)
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
         p: t[:MAX_TOKENS] for p, t in windowed.items()}
-    impls = [m.impl for m in ddtree_state(llm).runner.model.modules() if hasattr(m, "impl")
-             and isinstance(m.impl, TreeAttentionCPUImpl)]
+    impls = attention_impls(llm, TreeAttentionCPUImpl)
     assert impls and all(i.sliding_window == 4 for i in impls)
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 4 and stats["paths_off_the_index_line"] > 0, stats
@@ -577,8 +582,7 @@ def test_other_target_families_are_lossless(tiny_models: Path, tmp_path: Path, m
                                    "tree_budget": 16})
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
         p: t[:MAX_TOKENS] for p, t in target.items()}
-    impls = [m.impl for m in ddtree_state(llm).runner.model.modules() if hasattr(m, "impl")
-             and isinstance(m.impl, TreeAttentionCPUImpl)]
+    impls = attention_impls(llm, TreeAttentionCPUImpl)
     assert len(impls) == 4
     if family == "gpt-oss":
         assert sorted(i.sliding_window for i in impls) == [-1, -1, 4, 4]
@@ -808,22 +812,16 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch) -> 
     assert calls == ["tolist in runner.py:stats"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
-def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_path: Path,
-                                                       monkeypatch, family, scheduling) -> None:
-    """TREE_ATTN's CUDA backend inside vLLM's engine, on CPU tensors: vLLM's Triton KV
-    layout, the backend's metadata builder on the runner's real batches, the Triton tree
-    kernel (on Triton's interpreter; for gpt-oss with sinks, and a window in every other
-    layer) and compaction in that layout, trees accepted deep and off the chain: lossless.
-    What a GPU runs, bar the device and vLLM's cache-write kernel (vLLM's CPU build has no
-    Triton: the same write, in torch)."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+@pytest.fixture
+def cuda_tree_attn_on_cpu(monkeypatch):
+    """For one test, TREE_ATTN on the CPU platform is the CUDA backend, its kernel on
+    Triton's interpreter; vLLM's cache-write kernel (vLLM's CPU build has no Triton) is
+    replaced by the same write in torch. vLLM caches backend choices per process: cleared
+    before and after."""
+    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
     import vllm_ddtree.attention
-    from vllm_ddtree.attention.backend import TreeAttentionImpl
-    from vllm_ddtree.runner import DDTreeProposer
 
     def write_kv(self, layer, key, value, kv_cache, slot_mapping) -> None:
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
@@ -832,6 +830,29 @@ def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_pa
         block, offset = slots[written] // key_cache.shape[1], slots[written] % key_cache.shape[1]
         key_cache[block, offset] = key[:len(slots)][written]
         value_cache[block, offset] = value[:len(slots)][written]
+
+    selector._cached_get_attn_backend.cache_clear()
+    monkeypatch.setattr(vllm_ddtree.attention, "CPU_BACKEND_PATH",
+                        "vllm_ddtree.attention.backend.TreeAttentionBackend")
+    monkeypatch.setattr(TritonAttentionImpl, "do_kv_cache_update", write_kv)
+    yield
+    selector._cached_get_attn_backend.cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_path: Path,
+                                                       monkeypatch, family, scheduling,
+                                                       cuda_tree_attn_on_cpu) -> None:
+    """TREE_ATTN's CUDA backend inside vLLM's engine, on CPU tensors: vLLM's Triton KV
+    layout, the backend's metadata builder on the runner's real batches, the Triton tree
+    kernel (for gpt-oss with sinks, and a window in every other layer) and compaction in
+    that layout, trees accepted deep and off the chain: lossless. What a GPU runs, bar the
+    device and vLLM's cache-write kernel."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from vllm_ddtree.attention.backend import TreeAttentionImpl
+    from vllm_ddtree.runner import DDTreeProposer
 
     cleanup_dist_env_and_memory()  # gpt-oss's experts need their own parallel group
     pair = tiny_models if family == "qwen3" else other_target_pair(tiny_models, tmp_path,
@@ -843,17 +864,13 @@ def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_pa
     del llm
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(target, prompt_ids, seed=11))
-    monkeypatch.setattr(vllm_ddtree.attention, "CPU_BACKEND_PATH",
-                        "vllm_ddtree.attention.backend.TreeAttentionBackend")
-    monkeypatch.setattr(TritonAttentionImpl, "do_kv_cache_update", write_kv)
     outputs, llm = generate(pair, {"method": "ddtree", "tree_budget": 8,
                                    "model": str(pair / "drafter")},
                             max_num_seqs=4, max_tokens=max_tokens, prompts=prompts)
     assert_scheduling(llm, scheduling)
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
         p: t[:max_tokens] for p, t in target.items()}
-    impls = [m.impl for m in ddtree_state(llm).runner.model.modules() if hasattr(m, "impl")
-             and isinstance(m.impl, TreeAttentionImpl)]
+    impls = attention_impls(llm, TreeAttentionImpl)
     assert len(impls) == 4
     if family == "gpt-oss":
         assert sorted(i.sliding_window[0] for i in impls) == [-1, -1, 3, 3]

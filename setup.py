@@ -49,6 +49,21 @@ def _cudart_link_dir(cuda_home: str) -> list[str]:
     return [str(link_dir)]
 
 
+def _cuda_include_dirs(cuda_home: str, site: Path | None = None) -> list[str]:
+    """Header folders to add when the toolkit has nvcc but no CUDA runtime headers (an image
+    with the cuda-nvcc package alone): those of pip's CUDA packages beside torch (``site``),
+    which torch's CUDA wheel depends on."""
+    own = [f"{cuda_home}/include", *glob.glob(f"{cuda_home}/targets/*/include")]
+    if any(Path(d, "cuda_runtime.h").exists() for d in own):
+        return []
+    if site is None:
+        import torch
+
+        site = Path(torch.__file__).parent.parent
+    found = sorted(glob.glob(f"{site}/nvidia/*/include/cuda_runtime.h"))
+    return sorted({str(Path(h).parent) for h in found})
+
+
 def _extensions() -> tuple[list, dict]:
     if os.environ.get("FORCE_CPU") != "1" and not (os.environ.get("CUDA_HOME")
                                                    or os.environ.get("CUDA_PATH")):
@@ -79,7 +94,8 @@ def _extensions() -> tuple[list, dict]:
         sources += sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc/cuda").glob("*.cu"))
         flags["nvcc"] = ["-O3", "-std=c++20"]
         ext = CUDAExtension("vllm_ddtree._C", sources, extra_compile_args=flags,
-                            extra_link_args=link, library_dirs=_cudart_link_dir(CUDA_HOME))
+                            extra_link_args=link, library_dirs=_cudart_link_dir(CUDA_HOME),
+                            include_dirs=_cuda_include_dirs(CUDA_HOME))
     else:
         ext = CppExtension("vllm_ddtree._C", sources, extra_compile_args=flags,
                            extra_link_args=link)

@@ -124,3 +124,23 @@ def test_gpu_check_goes_on_after_a_failing_step(tmp_path: Path) -> None:
     assert "scripts/bench_tree_ops.py --device cuda --reqs 32" in ran
     assert "scripts/bench_tree_attention.py --json" in ran
     assert "scripts/bench_tree_attention.py --shape gpt-oss" in ran
+
+
+def test_cuda_headers_from_pip_where_the_toolkit_has_none(tmp_path: Path, monkeypatch) -> None:
+    # An image with nvcc but no CUDA runtime headers (the cuda-nvcc package alone) builds
+    # against the headers of pip's CUDA packages beside torch; a full toolkit adds nothing.
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
+    monkeypatch.setenv("FORCE_CPU", "1")
+    include_dirs = runpy.run_path(str(REPO / "setup.py"))["_cuda_include_dirs"]
+    site, toolkit = tmp_path / "site-packages", tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    for package in ("cu13", "cublas"):
+        (site / "nvidia" / package / "include").mkdir(parents=True)
+    (site / "nvidia" / "cu13" / "include" / "cuda_runtime.h").touch()
+    assert include_dirs(str(toolkit), site) == [str(site / "nvidia" / "cu13" / "include")]
+    (toolkit / "include" / "cuda_runtime.h").touch()
+    assert include_dirs(str(toolkit), site) == []

@@ -93,9 +93,11 @@ def _extensions() -> tuple[list, dict]:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0;10.0+PTX")
         sources += sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc/cuda").glob("*.cu"))
         flags["nvcc"] = ["-O3", "-std=c++20"]
+        for d in _cuda_include_dirs(CUDA_HOME):  # after the toolkit's own (-I) folders
+            flags["cxx"] += ["-isystem", d]
+            flags["nvcc"] += ["-isystem", d]
         ext = CUDAExtension("vllm_ddtree._C", sources, extra_compile_args=flags,
-                            extra_link_args=link, library_dirs=_cudart_link_dir(CUDA_HOME),
-                            include_dirs=_cuda_include_dirs(CUDA_HOME))
+                            extra_link_args=link, library_dirs=_cudart_link_dir(CUDA_HOME))
     else:
         ext = CppExtension("vllm_ddtree._C", sources, extra_compile_args=flags,
                            extra_link_args=link)

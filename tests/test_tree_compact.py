@@ -161,3 +161,28 @@ def test_a_cache_listed_twice_is_compacted_as_once(case) -> None:
 def test_compact_rejects_bad_input_by_name(change, message) -> None:
     with pytest.raises(RuntimeError, match=message):
         torch.ops.vllm_ddtree.compact_tree(*args(**change))
+
+
+def test_the_runner_compacts_a_cache_group_as_its_attention_lays_it_out() -> None:
+    # The CUDA backend's caches are compacted as plain views, CPU_ATTN's through its
+    # packing; a group attending through anything else, or through two layouts, is refused
+    # by name rather than compacted in the wrong layout.
+    from types import SimpleNamespace
+
+    from vllm_ddtree.attention.backend import TreeAttentionImpl
+    from vllm_ddtree.attention.cpu_backend import CPUAttnCompaction, TreeAttentionCPUImpl
+    from vllm_ddtree.runner import _kv_compaction
+
+    def layer(cls: type) -> SimpleNamespace:
+        return SimpleNamespace(impl=cls.__new__(cls), isa="vec")
+
+    cache = torch.zeros(4, 2, 16, 64)
+    assert callable(_kv_compaction([(layer(TreeAttentionImpl), cache)]))
+    assert isinstance(_kv_compaction([(layer(TreeAttentionCPUImpl), cache)]), CPUAttnCompaction)
+
+    class OtherImpl:
+        pass
+
+    for impls in ([OtherImpl], [TreeAttentionImpl, TreeAttentionCPUImpl]):
+        with pytest.raises(RuntimeError, match="OtherImpl|TreeAttentionCPUImpl"):
+            _kv_compaction([(layer(cls), cache) for cls in impls])

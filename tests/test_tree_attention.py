@@ -242,6 +242,17 @@ def test_cache_of_over_2_31_elements(impl) -> None:
     assert err <= TOLERANCE[torch.bfloat16], f"max abs error {err}"
 
 
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_the_largest_tree_matches_dense_reference(impl) -> None:
+    # tree_budget 1024: 1,025 nodes, 33 mask words per node; a deep chain and a bushy tree
+    # in one batch, beside a decode, over contexts across blocks.
+    batch = make_batch(9, ["deep", "decode", "bushy"], 1025, [50, 7, 33], 2, 1, 32, 16,
+                       torch.float32)
+    assert batch.ancestor_mask.shape[-1] == 33
+    err = (run(impl, batch).double() - dense_reference(batch)).abs().max().item()
+    assert err <= TOLERANCE[torch.float32], f"max abs error {err}"
+
+
 @pytest.mark.parametrize("shape, context", [("qwen3-8b", 20), ("gpt-oss", 140)])
 def test_bench_tree_attention_runs(tmp_path, shape: str, context: int) -> None:
     # The GPU benchmark's code path, tiny, on the interpreter: a device run must not be the

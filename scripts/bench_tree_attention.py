@@ -109,7 +109,8 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
     k = key_cache.flatten(0, 1)[slots[:, :seq_len]].transpose(1, 2).contiguous()
     v = value_cache.flatten(0, 1)[slots[:, :seq_len]].transpose(1, 2).contiguous()
     q = query.view(num_reqs, q_len, heads, head_size).transpose(1, 2)
-    if shape.window is None and sinks is None:
+    causal = shape.window is None and sinks is None
+    if causal:
         mask = causal_lower_right(q_len, seq_len)
     else:  # a float mask: the window's band, and a sink as one more key (zero key and value)
         k = torch.cat([k, k.new_zeros(num_reqs, kv_heads, 1, head_size)], dim=2)
@@ -124,7 +125,7 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
                           sink_col[:, None, None].expand(heads, q_len, 1)], dim=2)[None]
 
     def sdpa():
-        if shape.window is None:
+        if causal:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         # A float mask with grouped heads: PyTorch's math kernel, the one sure to take it.
         with sdpa_kernel(SDPBackend.MATH):

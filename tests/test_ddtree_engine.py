@@ -164,6 +164,21 @@ def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str],
     return draft_logits
 
 
+def oracle_for_target(pair: Path, monkeypatch, seed: int, prompts: list[str] = PROMPTS,
+                      max_tokens: int = MAX_TOKENS) -> dict[str, list]:
+    """The target of ``pair`` alone, greedy (16 tokens past ``max_tokens``, for the oracle's
+    look-ahead), and the oracle drafter installed on its outputs, which are returned."""
+    from vllm_ddtree.runner import DDTreeProposer
+
+    outputs, llm = generate(pair, None, max_tokens=max_tokens + 16, prompts=prompts)
+    target = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in prompts}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(target, prompt_ids, seed=seed))
+    return target
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spine", [True, False])
 def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline, monkeypatch,
@@ -499,18 +514,12 @@ def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path, mo
     does at that position. Trees accepted deep and off the chain (the oracle drafter),
     output equals the windowed target alone's, which differs from the full target's."""
     from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
-    from vllm_ddtree.runner import DDTreeProposer
 
     pair = windowed_pair(tiny_models, tmp_path, window=4)
-    outputs, llm = generate(pair, None, max_tokens=MAX_TOKENS + 16)
-    windowed = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
-    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
-    del llm
+    windowed = oracle_for_target(pair, monkeypatch, seed=8)
     full, _ = generate(tiny_models, None, max_tokens=MAX_TOKENS)
     assert {o.prompt: list(o.outputs[0].token_ids) for o in full} != {
         p: t[:MAX_TOKENS] for p, t in windowed.items()}  # the window matters
-    monkeypatch.setattr(DDTreeProposer, "draft_logits",
-                        oracle_draft_logits(windowed, prompt_ids, seed=8))
     outputs, llm = generate(pair, {"method": "ddtree", "model": str(pair / "drafter"),
                                    "tree_budget": 16})
     assert_scheduling(llm, scheduling)
@@ -566,18 +575,12 @@ def test_other_target_families_are_lossless(tiny_models: Path, tmp_path: Path, m
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
-    from vllm_ddtree.runner import DDTreeProposer
 
     # In-process engines keep the first one's parallel groups; a mixture-of-experts model
     # needs its expert-parallel group, which a dense model's engine did not make.
     cleanup_dist_env_and_memory()
     pair = other_target_pair(tiny_models, tmp_path, family)
-    outputs, llm = generate(pair, None, max_tokens=MAX_TOKENS + 16)
-    target = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
-    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
-    del llm
-    monkeypatch.setattr(DDTreeProposer, "draft_logits",
-                        oracle_draft_logits(target, prompt_ids, seed=9))
+    target = oracle_for_target(pair, monkeypatch, seed=9)
     outputs, llm = generate(pair, {"method": "ddtree", "model": str(pair / "drafter"),
                                    "tree_budget": 16})
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
@@ -852,18 +855,13 @@ def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_pa
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from vllm_ddtree.attention.backend import TreeAttentionImpl
-    from vllm_ddtree.runner import DDTreeProposer
 
     cleanup_dist_env_and_memory()  # gpt-oss's experts need their own parallel group
     pair = tiny_models if family == "qwen3" else other_target_pair(tiny_models, tmp_path,
                                                                    family)
     prompts, max_tokens = PROMPTS[:4], 12
-    outputs, llm = generate(pair, None, max_tokens=max_tokens + 16, prompts=prompts)
-    target = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
-    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in prompts}
-    del llm
-    monkeypatch.setattr(DDTreeProposer, "draft_logits",
-                        oracle_draft_logits(target, prompt_ids, seed=11))
+    target = oracle_for_target(pair, monkeypatch, seed=11, prompts=prompts,
+                               max_tokens=max_tokens)
     outputs, llm = generate(pair, {"method": "ddtree", "tree_budget": 8,
                                    "model": str(pair / "drafter")},
                             max_num_seqs=4, max_tokens=max_tokens, prompts=prompts)

@@ -772,11 +772,15 @@ def _bool_index(index) -> bool:
 
 
 @pytest.mark.slow
-def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "cuda-on-interpreter"])
+def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch, request,
+                                             backend) -> None:
     # A host sync (.item(), .tolist(), .cpu(), a tensor's truth value, a boolean-mask index:
     # a data-dependent shape) inside the step stalls the GPU and breaks CUDA-graph capture.
     # Every such call made from the step's own files, greedy and sampled requests with
-    # logprobs and every supported logits processor, is recorded: there must be none.
+    # logprobs and every supported logits processor, is recorded: there must be none. With
+    # TREE_ATTN's CUDA backend (its kernel on the interpreter) this covers the backend's
+    # build(), forward() and KV compaction too.
     import sys
 
     from vllm import LLM, SamplingParams
@@ -793,9 +797,14 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch) -> 
             return original(self, *args, **kwargs)
         return wrapper
 
+    if backend == "cuda-on-interpreter":
+        request.getfixturevalue("cuda_tree_attn_on_cpu")
     spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16}
     llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512, seed=0,
               dtype="float32", max_num_seqs=8, speculative_config=spec)
+    if backend == "cuda-on-interpreter":
+        from vllm_ddtree.attention.backend import TreeAttentionImpl
+        assert len(attention_impls(llm, TreeAttentionImpl)) > 0
     for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__",
                  "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, record(name, getattr(torch.Tensor, name)))

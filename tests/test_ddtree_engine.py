@@ -780,7 +780,9 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch, req
     # Every such call made from the step's own files, greedy and sampled requests with
     # logprobs and every supported logits processor, is recorded: there must be none. With
     # TREE_ATTN's CUDA backend (its kernel on the interpreter) this covers the backend's
-    # build(), forward() and KV compaction too.
+    # build(), forward() and KV compaction too, and checks the other half of graph replay:
+    # the kernel reads its metadata from the same buffers at every step.
+    import inspect
     import sys
 
     from vllm import LLM, SamplingParams
@@ -802,9 +804,20 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch, req
     spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16}
     llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512, seed=0,
               dtype="float32", max_num_seqs=8, speculative_config=spec)
+    seen: dict[str, list[torch.Tensor]] = {}
     if backend == "cuda-on-interpreter":
-        from vllm_ddtree.attention.backend import TreeAttentionImpl
-        assert len(attention_impls(llm, TreeAttentionImpl)) > 0
+        from vllm_ddtree.attention import backend as cuda_backend
+        assert len(attention_impls(llm, cuda_backend.TreeAttentionImpl)) > 0
+        kernel = cuda_backend.tree_attention
+        metadata_args = ("block_table", "seq_lens", "query_start_loc", "tree_index",
+                         "ancestor_mask", "depths")
+
+        def tree_attention(*args, **kwargs):
+            bound = inspect.signature(kernel).bind(*args, **kwargs).arguments
+            for name in metadata_args:
+                seen.setdefault(name, []).append(bound[name])  # alive: no address reuse
+            return kernel(*args, **kwargs)
+        monkeypatch.setattr(cuda_backend, "tree_attention", tree_attention)
     for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__",
                  "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, record(name, getattr(torch.Tensor, name)))
@@ -820,6 +833,9 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch, req
         dict(temperature=0.0, bad_words=["the"], prompt_logprobs=1)]]
     llm.generate(PROMPTS[:5], params, use_tqdm=False)
     assert calls == [], sorted(set(calls))
+    if backend == "cuda-on-interpreter":  # a fresh tensor per step: a graph reads stale data
+        assert {name: len({t.data_ptr() for t in tensors}) for name, tensors in seen.items()
+                } == dict.fromkeys(metadata_args, 1)
     ddtree_state(llm).stats()  # the metrics read-out syncs, outside the step: it is seen
     assert calls == ["tolist in runner.py:stats"]
 

@@ -89,9 +89,11 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
     out = torch.empty_like(query)
     seq_lens = torch.full((num_reqs,), seq_len, device=dev, dtype=torch.int32)
     qsl = torch.arange(num_reqs + 1, device=dev, dtype=torch.int32) * q_len
-    logits = torch.randn(num_reqs, 15, 4096, device=dev) * 3
-    trees = ops.build_tree_from_logits(torch.zeros(num_reqs, dtype=torch.long, device=dev),
-                                       logits, budget)
+    # The trees are input here, not timed: built by the CPU op, so that this benchmark runs
+    # even where the CUDA ops failed to build.
+    logits = torch.randn(num_reqs, 15, 4096) * 3
+    trees = ops.build_tree_from_logits(torch.zeros(num_reqs, dtype=torch.long), logits, budget)
+    ancestor_mask, depths = trees.ancestor_mask.to(dev), trees.depths.to(dev)
     tree_index = torch.arange(num_reqs, device=dev, dtype=torch.int32)
     causal_index = torch.full_like(tree_index, -1)
     sinks = torch.linspace(-1.0, 2.0, heads, device=dev).to(dtype) if shape.sinks else None
@@ -99,9 +101,9 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
     def run(index, config=(BLOCK_M, TILE_N, 1, NUM_WARPS), window=shape.window):
         block_m, tile_n, splits, warps = config
         return lambda: tree_attention(query, key_cache, value_cache, out, block_table,
-                                      seq_lens, qsl, index, trees.ancestor_mask,
+                                      seq_lens, qsl, index, ancestor_mask,
                                       head_size ** -0.5, sliding_window=window, sinks=sinks,
-                                      depths=trees.depths, block_m=block_m, tile_n=tile_n,
+                                      depths=depths, block_m=block_m, tile_n=tile_n,
                                       num_splits=splits, num_warps=warps)
 
     # The same keys and values, contiguous per request: [reqs, kv_heads, seq_len, head].

@@ -104,26 +104,37 @@ def test_bench_tree_ops_runs(tmp_path: Path) -> None:
 
 def test_gpu_check_goes_on_after_a_failing_step(tmp_path: Path) -> None:
     # One device run must bring back every result it can: with a stub GPU and a stub Python
-    # whose CUDA tests fail, the benchmarks still run and the summary names the failure.
+    # whose CUDA build fails and whose CUDA tests hang, the CPU ops are built instead, the
+    # hang is cut at its time limit, the benchmarks still run, the summary names both
+    # failures, and $OUT holds no more files than a lent machine brings back (eight).
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stub'\n")
     calls = tmp_path / "calls.log"
     (bin_dir / "python-stub").write_text(
-        f'#!/bin/sh\necho "$*" >> {calls}\n'
-        'case "$*" in *tests/cuda*) exit 1;; *"import vllm"*) exit 1;; esac\necho 9.0\n')
+        f'#!/bin/sh\necho "FORCE_CUDA=$FORCE_CUDA FORCE_CPU=$FORCE_CPU $*" >> {calls}\n'
+        'case "$*" in *setup.py*) [ "$FORCE_CUDA" = 1 ] && exit 1;; '
+        '*tests/cuda*) exec sleep 30;; *"import vllm"*) exit 1;; esac\n'
+        'for a; do [ "$prev" = --json ] && echo {} > "$a"; prev=$a; done\necho 9.0\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-           "PYTHON": str(bin_dir / "python-stub")}
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+           "PYTHON": str(bin_dir / "python-stub"), "STEP_LIMIT_S": "2"}
     result = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh")], env=env,
-                            capture_output=True, text=True)
-    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "gpu_check: FAILED: CUDA tests (exit 1)" in result.stdout
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = ["gpu_check: FAILED: CUDA build (exit 1)",
+               "gpu_check: FAILED: CUDA tests (timed out after 2 s)"]
+    assert all(line in result.stdout.splitlines() for line in summary), result.stdout[-3000:]
     ran = calls.read_text()
+    assert "FORCE_CUDA= FORCE_CPU=1 setup.py -q build_ext --inplace" in ran
     assert "scripts/bench_tree_ops.py --device cuda --reqs 32" in ran
     assert "scripts/bench_tree_attention.py --json" in ran
     assert "scripts/bench_tree_attention.py --shape gpt-oss" in ran
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and "gpu_check.log" in files, files
+    assert all(line in (out / "gpu_check.log").read_text() for line in summary)
 
 
 def test_cuda_headers_from_pip_where_the_toolkit_has_none(tmp_path: Path, monkeypatch) -> None:

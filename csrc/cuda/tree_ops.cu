@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "../tree.h"
@@ -94,13 +95,21 @@ struct Entries {
   int64_t block_size, s_block, s_head, s_offset, s_c, heads, c, capacity;
 };
 
-// One block per request; accepted nodes move in path order (a later source is never an
-// earlier destination), one entry at a time across the block's threads.
+// Base pointers of the caches one launch compacts (all of one geometry), passed by value
+// as a kernel argument: no host-to-device copy, so a launch can be captured in a CUDA graph.
+constexpr int kMaxCachesPerLaunch = 64;
+struct CacheBases {
+  void* data[kMaxCachesPerLaunch];
+};
+
+// One block per (request, cache); accepted nodes move in path order (a later source is
+// never an earlier destination), one entry at a time across the block's threads.
 template <typename word_t>
-__global__ void compact_kernel(word_t* data, Entries e, const int64_t* slot_mapping,
+__global__ void compact_kernel(CacheBases bases, Entries e, const int64_t* slot_mapping,
                                int64_t num_slots, const int64_t* query_start,
                                const int32_t* accepted, const int32_t* num_accepted,
                                int32_t D) {
+  auto* data = static_cast<word_t*>(bases.data[blockIdx.y]);
   const int64_t r = blockIdx.x;
   const int64_t start = query_start[r], len = query_start[r + 1] - start;
   if (start < 0) return;  // malformed (the whole block returns: no barrier is split)
@@ -125,24 +134,35 @@ __global__ void compact_kernel(word_t* data, Entries e, const int64_t* slot_mapp
   }
 }
 
-void launch_compact(const at::Tensor& t, const Entries& e, const int64_t* slots,
-                    int64_t num_slots, const at::Tensor& qs, const at::Tensor& acc,
-                    const at::Tensor& num, cudaStream_t stream) {
+// Compacts caches[0..count) (at most kMaxCachesPerLaunch, all of geometry e and the
+// element size of caches[0]) in one launch.
+void launch_compact(const at::Tensor* const* caches, int count, const Entries& e,
+                    const int64_t* slots, int64_t num_slots, const at::Tensor& qs,
+                    const at::Tensor& acc, const at::Tensor& num, cudaStream_t stream) {
   const int64_t R = acc.size(0);
-  if (R == 0 || e.heads * e.c == 0) return;
-  auto go = [&](auto* data) {
-    compact_kernel<<<R, 256, 0, stream>>>(data, e, slots, num_slots, qs.data_ptr<int64_t>(),
-                                          acc.data_ptr<int32_t>(), num.data_ptr<int32_t>(),
-                                          static_cast<int32_t>(acc.size(1)));
+  if (R == 0 || count == 0 || e.heads * e.c == 0) return;
+  CacheBases bases{};
+  for (int i = 0; i < count; ++i) bases.data[i] = caches[i]->data_ptr();
+  auto go = [&](auto* word) {
+    using word_t = std::remove_pointer_t<decltype(word)>;
+    compact_kernel<word_t><<<dim3(R, count), 256, 0, stream>>>(
+        bases, e, slots, num_slots, qs.data_ptr<int64_t>(), acc.data_ptr<int32_t>(),
+        num.data_ptr<int32_t>(), static_cast<int32_t>(acc.size(1)));
   };
-  switch (t.element_size()) {  // bit copies: the element type does not matter, its width does
-    case 1: go(static_cast<uint8_t*>(t.data_ptr())); break;
-    case 2: go(static_cast<uint16_t*>(t.data_ptr())); break;
-    case 4: go(static_cast<uint32_t*>(t.data_ptr())); break;
-    case 8: go(static_cast<uint64_t*>(t.data_ptr())); break;
-    default: TORCH_CHECK(false, "compact_tree: unsupported element size ", t.element_size());
+  switch (caches[0]->element_size()) {  // bit copies: the type does not matter, its width does
+    case 1: go(static_cast<uint8_t*>(nullptr)); break;
+    case 2: go(static_cast<uint16_t*>(nullptr)); break;
+    case 4: go(static_cast<uint32_t*>(nullptr)); break;
+    case 8: go(static_cast<uint64_t*>(nullptr)); break;
+    default: TORCH_CHECK(false, "compact_tree: unsupported element size ",
+                         caches[0]->element_size());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.element_size() == b.element_size();
 }
 
 }  // namespace
@@ -229,26 +249,41 @@ void compact_tree_cuda(at::TensorList kv_caches, const at::Tensor& hidden_states
   }
   TORCH_CHECK(hidden_states.numel() == 0 || copyable(hidden_states), "compact_tree: argument "
               "'hidden_states' has an unsupported element size ", hidden_states.element_size());
-  std::vector<const at::Tensor*> done;
+  // Distinct caches, grouped by geometry: one launch per group (per layer, launches would
+  // cost a few µs each, for every layer, every step). A layer sharing another's cache
+  // (cross-layer KV sharing) lists the same tensor twice: it is compacted once, since a
+  // second pass would move moved entries again (the CPU op copies all caches per path
+  // step, where a repeat is harmless).
+  std::vector<std::vector<const at::Tensor*>> groups;
   for (const auto& cache : kv_caches) {
-    // A layer sharing another's cache (cross-layer KV sharing) lists the same tensor twice.
-    // Each launch runs a request's whole path, so a second pass would move moved entries
-    // again (the CPU op copies all caches per path step, where a repeat is harmless).
-    const bool repeat = std::any_of(done.begin(), done.end(), [&](const at::Tensor* t) {
-      return t->data_ptr() == cache.data_ptr() && t->sizes() == cache.sizes() &&
-             t->strides() == cache.strides() && t->dtype() == cache.dtype();
-    });
-    if (repeat) continue;
-    done.push_back(&cache);
-    const Entries e{cache.size(2),  cache.stride(0), cache.stride(1), cache.stride(2),
-                    cache.stride(3), cache.size(1),  cache.size(3),
-                    cache.size(0) * cache.size(2)};
-    launch_compact(cache, e, slots.data_ptr<int64_t>(), slots.size(0), qs, acc, num, stream);
+    bool placed = false;
+    for (auto& group : groups) {
+      if (!same_geometry(*group[0], cache)) continue;
+      const bool repeat = std::any_of(group.begin(), group.end(), [&](const at::Tensor* t) {
+        return t->data_ptr() == cache.data_ptr();  // same geometry and address: same bytes
+      });
+      if (!repeat) group.push_back(&cache);
+      placed = true;
+      break;
+    }
+    if (!placed) groups.push_back({&cache});
+  }
+  for (const auto& group : groups) {
+    const at::Tensor& c = *group[0];
+    const Entries e{c.size(2), c.stride(0), c.stride(1), c.stride(2), c.stride(3), c.size(1),
+                    c.size(3), c.size(0) * c.size(2)};
+    for (size_t i = 0; i < group.size(); i += kMaxCachesPerLaunch) {
+      const int count = static_cast<int>(
+          std::min<size_t>(kMaxCachesPerLaunch, group.size() - i));
+      launch_compact(group.data() + i, count, e, slots.data_ptr<int64_t>(), slots.size(0),
+                     qs, acc, num, stream);
+    }
   }
   if (hidden_states.numel() > 0) {
     const Entries e{1, hidden_states.stride(0), 0, 0, hidden_states.stride(1), 1,
                     hidden_states.size(1), hidden_states.size(0)};
-    launch_compact(hidden_states, e, nullptr, 0, qs, acc, num, stream);
+    const at::Tensor* hidden[] = {&hidden_states};
+    launch_compact(hidden, 1, e, nullptr, 0, qs, acc, num, stream);
   }
 }
 

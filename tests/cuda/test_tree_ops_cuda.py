@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from test_tree_build import build_cases
-from test_tree_compact import compact_cases, compact_inputs
+from test_tree_compact import compact_cases, compact_inputs, make_cache
 from test_tree_verify import verify_cases
 from tree_cases import follow_choices, random_topk
 
@@ -72,6 +72,29 @@ def test_compact_cuda_with_a_cache_listed_twice(case) -> None:
     torch.ops.vllm_ddtree.compact_tree([got, got], torch.empty(0, device=CUDA),
                                        *to(CUDA, *step))
     assert torch.equal(want.view(torch.uint8), got.cpu().view(torch.uint8))
+
+
+@settings(max_examples=50, deadline=None)
+@given(case=compact_cases())
+def test_compact_cuda_many_caches_of_two_geometries(case) -> None:
+    # The CUDA op compacts the caches of one geometry in one launch, at most 64 at a time:
+    # 140 caches of two geometries interleaved (70 each, two launches each), one listed
+    # twice, end as the CPU op leaves them.
+    inputs = compact_inputs(case)
+    gen = torch.Generator().manual_seed(case["seed"])
+    num_blocks, _, block_size, _ = inputs["kv_caches"][0].shape
+    geometries = [(2, 16, case["dtype"], case["layout"]), (4, 8, torch.float32, "BNHC")]
+    caches = [make_cache(gen, num_blocks, heads, block_size, width, dtype, layout)
+              for i in range(140) for heads, width, dtype, layout in [geometries[i % 2]]]
+    step = [inputs[k] for k in ("slot_mapping", "query_start_loc", "accepted",
+                                "num_accepted")]
+    want, want_hidden = [c.clone() for c in caches], inputs["hidden_states"].clone()
+    torch.ops.vllm_ddtree.compact_tree(want, want_hidden, *step)
+    got, got_hidden = [c.to(CUDA) for c in caches], inputs["hidden_states"].to(CUDA)
+    torch.ops.vllm_ddtree.compact_tree(got + [got[7]], got_hidden, *to(CUDA, *step))
+    assert torch.equal(want_hidden, got_hidden.cpu())
+    for a, b in zip(want, got):
+        assert torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8))
 
 
 def test_tree_positions_cuda_equals_cpu() -> None:

@@ -21,7 +21,7 @@ import torch
 from vllm_ddtree import ops
 from vllm_ddtree.tree import topk_ranked
 
-DEPTH, VOCAB = 15, 151936
+DEPTH, VOCAB, LAYERS = 15, 151936, 36  # Qwen3-8B's
 
 
 def median_us(fn: Callable[[], object], repeats: int, device: str) -> float:
@@ -103,8 +103,10 @@ def bench_budget(budget: int, R: int, dev: str, repeats: int, gen: torch.Generat
     # Target choices that follow each node's first child: long accepted paths.
     choices = trees.token_ids.gather(1, trees.first_child.clamp(min=0).long())
     verdict = ops.verify_tree(trees, choices, DEPTH)
-    cache = torch.randn(R * (budget + 1) // 16 + 2, 8, 16, 256, device=dev,
-                        dtype=torch.bfloat16)
+    # Qwen3-8B's per-layer cache in the Triton layout (8 KV heads, K and V of 128 side by
+    # side), one layer and all 36 (the CUDA op compacts same-shaped caches in one launch).
+    caches = [torch.randn(R * (budget + 1) // 16 + 2, 8, 16, 256, device=dev,
+                          dtype=torch.bfloat16) for _ in range(LAYERS)]
     hidden = torch.randn(R * (budget + 1), 4096, device=dev, dtype=torch.bfloat16)
     qsl = torch.arange(R + 1, device=dev, dtype=torch.int32) * (budget + 1)
     slots = torch.arange(R * (budget + 1), device=dev)
@@ -125,7 +127,9 @@ def bench_budget(budget: int, R: int, dev: str, repeats: int, gen: torch.Generat
         "verify": median_us(lambda: ops.verify_tree(trees, choices, DEPTH), repeats, dev),
         "python_walk": median_us(lambda: python_walk(trees, choices, DEPTH), repeats, dev),
         "compact_1_layer": median_us(
-            lambda: ops.compact_tree([cache], hidden, slots, qsl, verdict), repeats, dev),
+            lambda: ops.compact_tree(caches[:1], hidden, slots, qsl, verdict), repeats, dev),
+        f"compact_{LAYERS}_layers": median_us(
+            lambda: ops.compact_tree(caches, hidden, slots, qsl, verdict), repeats, dev),
     }
     return {"budget": budget, **{k: v / R for k, v in timings.items()}}
 

@@ -95,10 +95,13 @@ struct TreeRows {
   int32_t* last_child;  // scratch: the most recent child of each node
 };
 
-// Build one request's tree from its top-k log-probs and ids ([L, K] row-major). The caller
+// Build one request's tree from its top-k log-probs ([L, K] row-major). Node i > 0's
+// token_ids entry is its flat top-k index (depth - 1) * K + rank, which the caller turns
+// into the token id afterwards: the ids are not read in this serial loop (on CUDA each read
+// would stall the one thread running it; the block resolves them in parallel). The caller
 // guarantees budget <= number of prefixes the top-k allows, and heap storage of budget + 1.
-DDTREE_HD inline void build_one_tree(const float* logprobs, const int64_t* ids, int32_t L,
-                                     int32_t K, int32_t budget, bool spine, int64_t root_token,
+DDTREE_HD inline void build_one_tree(const float* logprobs, int32_t L, int32_t K,
+                                     int32_t budget, bool spine, int64_t root_token,
                                      Candidate* heap_storage, TreeRows t) {
   t.token_ids[0] = root_token;
   t.parents[0] = -1;
@@ -110,7 +113,7 @@ DDTREE_HD inline void build_one_tree(const float* logprobs, const int64_t* ids, 
 
   auto add = [&](float score, int32_t parent, int32_t rank, int32_t pos) {
     const int32_t i = n++;
-    t.token_ids[i] = ids[pos * K + rank];
+    t.token_ids[i] = static_cast<int64_t>(pos) * K + rank;
     t.parents[i] = parent;
     t.depths[i] = pos + 1;
     t.scores[i] = score;

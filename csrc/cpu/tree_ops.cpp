@@ -40,8 +40,10 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
                     out.first_child.data_ptr<int32_t>() + r * N,
                     out.next_sibling.data_ptr<int32_t>() + r * N,
                     out.scores.data_ptr<float>() + r * N, last_child.data()};
-      build_one_tree(lp.data_ptr<float>() + r * L * K, ids.data_ptr<int64_t>() + r * L * K,
-                     L, K, budget, spine, roots.data_ptr<int64_t>()[r], heap.data(), rows);
+      build_one_tree(lp.data_ptr<float>() + r * L * K, L, K, budget, spine,
+                     roots.data_ptr<int64_t>()[r], heap.data(), rows);
+      const int64_t* request_ids = ids.data_ptr<int64_t>() + r * L * K;
+      for (int64_t i = 1; i < N; ++i) rows.token_ids[i] = request_ids[rows.token_ids[i]];
       // Parents precede children: a node's mask is its parent's plus its own bit.
       int32_t* m = out.mask.data_ptr<int32_t>() + r * N * W;
       std::memset(m, 0, W * sizeof(int32_t));

@@ -30,24 +30,27 @@ __global__ void tree_positions_kernel(const int64_t* __restrict__ seq_lens,
 
 // Shared memory of one request's build: the heap, then the tree's rows (the builder reads
 // back a parent's depth and score and a node's last child at every step: in shared memory
-// these dependent reads take tens of cycles, where global memory's went through L2).
+// these dependent reads take tens of cycles, where global memory's went through L2), then,
+// where it fits, the request's top-k log-probs (read twice per node on the serial path).
 constexpr size_t kBuildBytesPerNode =
     sizeof(Candidate) + sizeof(int64_t) + sizeof(float) + 5 * sizeof(int32_t);
 static_assert((kMaxBudget + 1) * kBuildBytesPerNode <= 48 * 1024,
               "a build must fit the default 48 KiB of dynamic shared memory");
 
-// One block per request: thread 0 runs the best-first heap and writes the tree's rows in
-// shared memory; then every thread copies rows out and fills ancestor masks of its nodes by
-// walking their parent chains (depth <= L).
+// One block per request: the block stages the log-probs (if stage_logprobs), thread 0 runs
+// the best-first heap and writes the tree's rows in shared memory; then every thread copies
+// rows out, looks its nodes' token ids up, and fills their ancestor masks by walking their
+// parent chains (depth <= L).
 __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
                                   const float* __restrict__ logprobs,
                                   const int64_t* __restrict__ ids, int32_t L, int32_t K,
-                                  int32_t budget, bool spine, int64_t* token_ids,
-                                  int32_t* parents, int32_t* depths, int32_t* first_child,
-                                  int32_t* next_sibling, int32_t* mask, float* scores) {
+                                  int32_t budget, bool spine, bool stage_logprobs,
+                                  int64_t* token_ids, int32_t* parents, int32_t* depths,
+                                  int32_t* first_child, int32_t* next_sibling, int32_t* mask,
+                                  float* scores) {
   extern __shared__ __align__(8) unsigned char smem[];
   const int32_t N = budget + 1, W = (N + 31) / 32;
-  const int64_t r = blockIdx.x;
+  const int64_t r = blockIdx.x, LK = static_cast<int64_t>(L) * K;
   auto* heap = reinterpret_cast<Candidate*>(smem);
   auto* s_tokens = reinterpret_cast<int64_t*>(heap + N);
   auto* s_scores = reinterpret_cast<float*>(s_tokens + N);
@@ -56,15 +59,21 @@ __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
   int32_t* s_first = s_depths + N;
   int32_t* s_next = s_first + N;
   int32_t* s_last = s_next + N;
+  const float* lp = logprobs + r * LK;
+  if (stage_logprobs) {
+    auto* s_logprobs = reinterpret_cast<float*>(s_last + N);
+    for (int64_t k = threadIdx.x; k < LK; k += blockDim.x) s_logprobs[k] = lp[k];
+    __syncthreads();
+    lp = s_logprobs;
+  }
   if (threadIdx.x == 0) {
     TreeRows rows{s_tokens, s_parents, s_depths, s_first, s_next, s_scores, s_last};
-    build_one_tree(logprobs + r * L * K, ids + r * L * K, L, K, budget, spine, roots[r], heap,
-                   rows);
+    build_one_tree(lp, L, K, budget, spine, roots[r], heap, rows);
   }
   __syncthreads();
   for (int32_t i = threadIdx.x; i < N; i += blockDim.x) {
     const int64_t o = r * N + i;
-    token_ids[o] = s_tokens[i];
+    token_ids[o] = i == 0 ? s_tokens[0] : ids[r * LK + s_tokens[i]];  // a flat top-k index
     parents[o] = s_parents[i];
     depths[o] = s_depths[i];
     first_child[o] = s_first[i];
@@ -194,12 +203,24 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
   const auto roots = root_tokens.contiguous();
   TreeOutputs out(R, N, ids, lp);
   if (R > 0) {
-    const size_t smem = N * kBuildBytesPerNode;
+    // Stage the log-probs where they fit the block's shared memory (opting in past the
+    // default 48 KiB, as at B = 1024 and L = 16: 41 KiB of tree and 64 KiB of log-probs).
+    int optin = 0;  // a device attribute: no sync, and allowed while a graph is captured
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                          topk_logprobs.get_device()));
+    const size_t tree_bytes = N * kBuildBytesPerNode, staged_bytes = L * K * sizeof(float);
+    const bool stage = tree_bytes + staged_bytes <= static_cast<size_t>(optin);
+    const size_t smem = tree_bytes + (stage ? staged_bytes : 0);
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(
+          build_tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    }
     build_tree_kernel<<<R, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
         roots.data_ptr<int64_t>(), lp.data_ptr<float>(), ids.data_ptr<int64_t>(), L, K,
-        budget, spine, out.token_ids.data_ptr<int64_t>(), out.parents.data_ptr<int32_t>(),
-        out.depths.data_ptr<int32_t>(), out.first_child.data_ptr<int32_t>(),
-        out.next_sibling.data_ptr<int32_t>(), out.mask.data_ptr<int32_t>(),
+        budget, spine, stage, out.token_ids.data_ptr<int64_t>(),
+        out.parents.data_ptr<int32_t>(), out.depths.data_ptr<int32_t>(),
+        out.first_child.data_ptr<int32_t>(), out.next_sibling.data_ptr<int32_t>(),
+        out.mask.data_ptr<int32_t>(),
         out.scores.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -31,6 +31,19 @@ def test_build_cuda_equals_cpu(case) -> None:
         assert torch.equal(a, b.cpu()), name
 
 
+@pytest.mark.parametrize("depth, k", [(16, 1024), (64, 1024)])
+@pytest.mark.parametrize("spine", [False, True])
+def test_build_cuda_equals_cpu_at_the_largest_budget(depth, k, spine) -> None:
+    # The kernel stages the top-k log-probs in shared memory where they fit: at depth 16 by
+    # opting in past 48 KiB (105 KiB in all), at depth 64 they do not (297 KiB) and are read
+    # from global memory.
+    inputs = random_topk(depth * k, 3, depth, 2 * k, k, ties=False)
+    want = ops.build_tree(*inputs, 1024, spine)
+    got = ops.build_tree(*to(CUDA, *inputs), 1024, spine)
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a, b.cpu()), name
+
+
 @settings(max_examples=1000, deadline=None)
 @given(case=verify_cases())
 def test_verify_cuda_equals_cpu(case) -> None:

@@ -780,8 +780,8 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch, req
     # Every such call made from the step's own files, greedy and sampled requests with
     # logprobs and every supported logits processor, is recorded: there must be none. With
     # TREE_ATTN's CUDA backend (its kernel on the interpreter) this covers the backend's
-    # build(), forward() and KV compaction too, and checks the other half of graph replay:
-    # the kernel reads its metadata from the same buffers at every step.
+    # build(), forward() and KV compaction too. The other half of graph replay: the target
+    # reads its positions, and the kernel its metadata, from the same buffers at every step.
     import inspect
     import sys
 
@@ -804,7 +804,15 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch, req
     spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16}
     llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512, seed=0,
               dtype="float32", max_num_seqs=8, speculative_config=spec)
-    seen: dict[str, list[torch.Tensor]] = {}
+    # The target must read its tree positions (context + depth) from the runner's own
+    # buffer, which a captured graph replays: written there in place, never a fresh tensor.
+    runner, seen = ddtree_state(llm).runner, {}
+    model_forward = runner._model_forward
+
+    def forward(*args, **kwargs):
+        seen.setdefault("positions", []).append(kwargs["positions"])
+        return model_forward(*args, **kwargs)
+    monkeypatch.setattr(runner, "_model_forward", forward)
     if backend == "cuda-on-interpreter":
         from vllm_ddtree.attention import backend as cuda_backend
         assert len(attention_impls(llm, cuda_backend.TreeAttentionImpl)) > 0
@@ -833,9 +841,12 @@ def test_the_step_never_waits_for_the_device(tiny_models: Path, monkeypatch, req
         dict(temperature=0.0, bad_words=["the"], prompt_logprobs=1)]]
     llm.generate(PROMPTS[:5], params, use_tqdm=False)
     assert calls == [], sorted(set(calls))
-    if backend == "cuda-on-interpreter":  # a fresh tensor per step: a graph reads stale data
-        assert {name: len({t.data_ptr() for t in tensors}) for name, tensors in seen.items()
-                } == dict.fromkeys(metadata_args, 1)
+    # A fresh tensor per step would leave a replayed graph reading stale data.
+    addresses = {name: {t.data_ptr() for t in tensors} for name, tensors in seen.items()}
+    assert addresses.pop("positions") == {runner.positions.data_ptr()}
+    if backend == "cuda-on-interpreter":
+        assert {name: len(a) for name, a in addresses.items()} == dict.fromkeys(
+            metadata_args, 1)
     ddtree_state(llm).stats()  # the metrics read-out syncs, outside the step: it is seen
     assert calls == ["tolist in runner.py:stats"]
 

@@ -87,15 +87,43 @@ __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
   }
 }
 
+// One block per request: the block stages the request's tree and the target's choices in
+// shared memory (coalesced), then thread 0 walks them. Each hop of the walk is a dependent
+// read (a wide tree's sibling list can be hundreds long): tens of cycles in shared memory,
+// hundreds in global memory, which a tree too large to stage is read from.
+constexpr size_t kVerifyBytesPerNode = 2 * sizeof(int64_t) + 2 * sizeof(int32_t);
+
 __global__ void verify_tree_kernel(const int64_t* token_ids, const int32_t* first_child,
                                    const int32_t* next_sibling, const int64_t* target_tokens,
-                                   int64_t R, int32_t N, int32_t D, int32_t* accepted,
+                                   int32_t N, int32_t D, bool stage, int32_t* accepted,
                                    int32_t* num_accepted, int64_t* output_tokens) {
-  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (r >= R) return;
-  num_accepted[r] = verify_one_tree(token_ids + r * N, first_child + r * N,
-                                    next_sibling + r * N, target_tokens + r * N, N, D,
-                                    accepted + r * D, output_tokens + r * (D + 1));
+  extern __shared__ __align__(8) unsigned char smem[];
+  const int64_t r = blockIdx.x, base = r * N;
+  const int64_t* tokens = token_ids + base;
+  const int64_t* targets = target_tokens + base;
+  const int32_t* first = first_child + base;
+  const int32_t* next = next_sibling + base;
+  if (stage) {
+    auto* s_tokens = reinterpret_cast<int64_t*>(smem);
+    int64_t* s_targets = s_tokens + N;
+    auto* s_first = reinterpret_cast<int32_t*>(s_targets + N);
+    int32_t* s_next = s_first + N;
+    for (int32_t i = threadIdx.x; i < N; i += blockDim.x) {
+      s_tokens[i] = tokens[i];
+      s_targets[i] = targets[i];
+      s_first[i] = first[i];
+      s_next[i] = next[i];
+    }
+    __syncthreads();
+    tokens = s_tokens;
+    targets = s_targets;
+    first = s_first;
+    next = s_next;
+  }
+  if (threadIdx.x == 0) {
+    num_accepted[r] = verify_one_tree(tokens, first, next, targets, N, D, accepted + r * D,
+                                      output_tokens + r * (D + 1));
+  }
 }
 
 // Geometry of one cache (4-D [num_blocks, heads, block_size, C], any strides) or, with
@@ -239,10 +267,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
   auto num_accepted = at::empty({R}, fc.options());
   auto output_tokens = at::empty({R, D + 1}, tok.options());
   if (R > 0) {
-    const auto blocks = static_cast<unsigned int>((R + kThreads - 1) / kThreads);
-    verify_tree_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    const bool stage = N * kVerifyBytesPerNode <= 48 * 1024;  // trees up to 2048 nodes
+    verify_tree_kernel<<<R, kThreads, stage ? N * kVerifyBytesPerNode : 0,
+                         c10::cuda::getCurrentCUDAStream()>>>(
         tok.data_ptr<int64_t>(), fc.data_ptr<int32_t>(), ns.data_ptr<int32_t>(),
-        tgt.data_ptr<int64_t>(), R, N, D, accepted.data_ptr<int32_t>(),
+        tgt.data_ptr<int64_t>(), N, D, stage, accepted.data_ptr<int32_t>(),
         num_accepted.data_ptr<int32_t>(), output_tokens.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -57,6 +57,27 @@ def test_verify_cuda_equals_cpu(case) -> None:
         assert torch.equal(a, b.cpu()), name
 
 
+@pytest.mark.parametrize("num_nodes", [1025, 3000])
+def test_verify_cuda_equals_cpu_on_a_wide_tree(num_nodes) -> None:
+    # A root with num_nodes - 2 children, the last with one child: the walk scans the whole
+    # sibling list (staged in shared memory up to 2048 nodes, read from global memory past
+    # that). Request 0's choices follow the last child and its child, request 1's match none.
+    n = num_nodes
+    token_ids = torch.arange(n, dtype=torch.long).repeat(2, 1) + 7
+    first_child = torch.full((2, n), -1, dtype=torch.int32)
+    first_child[:, 0], first_child[:, n - 2] = 1, n - 1
+    next_sibling = torch.full((2, n), -1, dtype=torch.int32)
+    next_sibling[:, 1:n - 2] = torch.arange(2, n - 1, dtype=torch.int32)
+    choices = torch.full((2, n), -1, dtype=torch.long)
+    choices[0, 0], choices[0, n - 2] = token_ids[0, n - 2], token_ids[0, n - 1]
+    inputs = (token_ids, first_child, next_sibling, choices)
+    want = torch.ops.vllm_ddtree.verify_tree(*inputs, 4)
+    assert want[1].tolist() == [2, 0]
+    got = torch.ops.vllm_ddtree.verify_tree(*to(CUDA, *inputs), 4)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b.cpu())
+
+
 @settings(max_examples=300, deadline=None)
 @given(case=compact_cases())
 def test_compact_cuda_equals_cpu(case) -> None:

@@ -152,14 +152,16 @@ def test_topk_ranked_cuda_equals_cpu(dtype) -> None:
     assert torch.equal(ids.cpu()[..., 1:][distinct], want_ids[..., 1:][distinct])
 
 
-def test_build_verify_compact_capture_in_a_cuda_graph() -> None:
-    R, L, V, B = 4, 15, 1000, 64
+@pytest.mark.parametrize("B", [64, 1024])  # at 1024 the build opts in past 48 KiB of smem
+def test_build_verify_compact_capture_in_a_cuda_graph(B) -> None:
+    R, L, V = 4, 15, 1000
     logits = torch.randn(R, L, V, device=CUDA)
     roots = torch.randint(0, V, (R,), device=CUDA)
     choices = torch.randint(0, V, (R, B + 1), device=CUDA)
-    cache = torch.randn(40, 2, 16, 32, device=CUDA)
+    blocks = R * (B + 1) // 16 + 2
+    cache = torch.randn(blocks, 2, 16, 32, device=CUDA)
     hidden = torch.randn(R * (B + 1), 8, device=CUDA)
-    slots = torch.randperm(640, device=CUDA)[: R * (B + 1)]
+    slots = torch.randperm(blocks * 16, device=CUDA)[: R * (B + 1)]
     qsl = torch.arange(R + 1, device=CUDA, dtype=torch.int32) * (B + 1)
 
     def step():

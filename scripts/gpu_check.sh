@@ -12,7 +12,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-exec > >(tee "$OUT/gpu_check.log") 2>&1
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
@@ -39,73 +38,79 @@ check() {
   return 0
 }
 
-step "device"
-nvidia-smi -L
-"$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
+# The whole run, its output also in $OUT/gpu_check.log (a pipe to tee, which the script
+# waits for: the log is complete when the script returns).
+main() {
+  step "device"
+  nvidia-smi -L
+  "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
 
-step "build the native ops with CUDA for this GPU"
-arch=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
-before=${#failed[@]}
-check "CUDA build" 300 env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" \
-  "$PY" setup.py -q build_ext --inplace
-if [ ${#failed[@]} -gt "$before" ]; then  # the Triton kernel's checks need only the CPU ops
-  check "CPU-only build, after the CUDA build failed" 300 env FORCE_CPU=1 \
+  step "build the native ops with CUDA for this GPU"
+  arch=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+  before=${#failed[@]}
+  check "CUDA build" 300 env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" \
     "$PY" setup.py -q build_ext --inplace
-fi
-check "loading the ops" 60 "$PY" -c \
-  'import torch, vllm_ddtree.ops; print(torch.ops.vllm_ddtree.build_tree.default)'
-
-step "CUDA tests"
-check "CUDA tests" 240 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
-
-step "tree op timings (CUDA events, median)"
-for reqs in 1 8 32; do
-  check "tree op timings, $reqs requests" 90 "$PY" scripts/bench_tree_ops.py --device cuda \
-    --reqs "$reqs" --json "$OUT/bench_tree_ops_cuda_r$reqs.json"
-done
-step "tree attention vs causal (CUDA events, median)"
-check "tree attention benchmark" 180 \
-  "$PY" scripts/bench_tree_attention.py --json "$OUT/bench_tree_attention.json"
-check "tree attention benchmark, gpt-oss window and sinks" 90 \
-  "$PY" scripts/bench_tree_attention.py --shape gpt-oss --budgets 64 \
-  --json "$OUT/bench_tree_attention_gpt_oss.json"
-
-if ! "$PY" -c 'import vllm' 2>/dev/null; then
-  step "vLLM is not installed here: ddtree end to end, the acceptance benchmark and TP=2 did not run"
-else
-  step "ddtree end to end"
-  check "ddtree end to end" 600 \
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_engine.py
-  step "acceptance and throughput: none vs dflash vs ddtree, CUDA graphs"
-  # Real checkpoints when TARGET_MODEL and DRAFTER_MODEL (and PROMPTS, a JSON list) are
-  # given, else the trained tiny pair if it is here (PAIR; default the training script's
-  # output; to carry it to a lent GPU, copy it to .tiny-pair/, which git ignores, and set
-  # PAIR=.tiny-pair).
-  PAIR=${PAIR:-$HOME/.cache/vllm-ddtree/tiny-pair}
-  if [ -n "${TARGET_MODEL:-}" ] && [ -n "${DRAFTER_MODEL:-}" ]; then
-    check "acceptance benchmark" 1800 \
-      "$PY" scripts/bench_acceptance.py --target "$TARGET_MODEL" --drafter "$DRAFTER_MODEL" \
-      ${PROMPTS:+--prompts "$PROMPTS"} --dtype bfloat16 --cuda-graphs --concurrency 1 8 32 \
-      --budgets 16 64 256 --dynamic 64:512 --repeats 3 --out "$OUT/bench_acceptance"
-  elif [ -f "$PAIR/heldout_prompts.json" ]; then
-    check "acceptance benchmark" 1800 \
-      "$PY" scripts/bench_acceptance.py --pair "$PAIR" --cuda-graphs --concurrency 1 8 32 \
-      --dynamic 64:512 --repeats 3 --out "$OUT/bench_acceptance"
-  else
-    echo "no checkpoints given and no tiny pair at $PAIR: the acceptance benchmark did not run"
+  if [ ${#failed[@]} -gt "$before" ]; then  # the Triton kernel's checks need only the CPU ops
+    check "CPU-only build, after the CUDA build failed" 300 env FORCE_CPU=1 \
+      "$PY" setup.py -q build_ext --inplace
   fi
-  step "ddtree with tensor parallelism 2 (needs two GPUs)"
-  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    check "ddtree TP=2" 600 "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_parallel.py
+  check "loading the ops" 60 "$PY" -c \
+    'import torch, vllm_ddtree.ops; print(torch.ops.vllm_ddtree.build_tree.default)'
+
+  step "CUDA tests"
+  check "CUDA tests" 240 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
+
+  step "tree op timings (CUDA events, median)"
+  for reqs in 1 8 32; do
+    check "tree op timings, $reqs requests" 90 "$PY" scripts/bench_tree_ops.py --device cuda \
+      --reqs "$reqs" --json "$OUT/bench_tree_ops_cuda_r$reqs.json"
+  done
+  step "tree attention vs causal (CUDA events, median)"
+  check "tree attention benchmark" 180 \
+    "$PY" scripts/bench_tree_attention.py --json "$OUT/bench_tree_attention.json"
+  check "tree attention benchmark, gpt-oss window and sinks" 90 \
+    "$PY" scripts/bench_tree_attention.py --shape gpt-oss --budgets 64 \
+    --json "$OUT/bench_tree_attention_gpt_oss.json"
+
+  if ! "$PY" -c 'import vllm' 2>/dev/null; then
+    step "vLLM is not installed here: ddtree end to end, the acceptance benchmark and TP=2 did not run"
   else
-    echo "fewer than two GPUs: the TP=2 run did not happen"
+    step "ddtree end to end"
+    check "ddtree end to end" 600 \
+      "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_engine.py
+    step "acceptance and throughput: none vs dflash vs ddtree, CUDA graphs"
+    # Real checkpoints when TARGET_MODEL and DRAFTER_MODEL (and PROMPTS, a JSON list) are
+    # given, else the trained tiny pair if it is here (PAIR; default the training script's
+    # output; to carry it to a lent GPU, copy it to .tiny-pair/, which git ignores, and set
+    # PAIR=.tiny-pair).
+    PAIR=${PAIR:-$HOME/.cache/vllm-ddtree/tiny-pair}
+    if [ -n "${TARGET_MODEL:-}" ] && [ -n "${DRAFTER_MODEL:-}" ]; then
+      check "acceptance benchmark" 1800 \
+        "$PY" scripts/bench_acceptance.py --target "$TARGET_MODEL" --drafter "$DRAFTER_MODEL" \
+        ${PROMPTS:+--prompts "$PROMPTS"} --dtype bfloat16 --cuda-graphs --concurrency 1 8 32 \
+        --budgets 16 64 256 --dynamic 64:512 --repeats 3 --out "$OUT/bench_acceptance"
+    elif [ -f "$PAIR/heldout_prompts.json" ]; then
+      check "acceptance benchmark" 1800 \
+        "$PY" scripts/bench_acceptance.py --pair "$PAIR" --cuda-graphs --concurrency 1 8 32 \
+        --dynamic 64:512 --repeats 3 --out "$OUT/bench_acceptance"
+    else
+      echo "no checkpoints given and no tiny pair at $PAIR: the acceptance benchmark did not run"
+    fi
+    step "ddtree with tensor parallelism 2 (needs two GPUs)"
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      check "ddtree TP=2" 600 "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_parallel.py
+    else
+      echo "fewer than two GPUs: the TP=2 run did not happen"
+    fi
   fi
-fi
-echo
-if [ ${#failed[@]} -eq 0 ]; then
-  echo "gpu_check: done, every step passed; results in $OUT"
-else
-  printf 'gpu_check: FAILED: %s\n' "${failed[@]}"
-  echo "gpu_check: results in $OUT"
-fi
-exit ${#failed[@]}
+  echo
+  if [ ${#failed[@]} -eq 0 ]; then
+    echo "gpu_check: done, every step passed; results in $OUT"
+  else
+    printf 'gpu_check: FAILED: %s\n' "${failed[@]}"
+    echo "gpu_check: results in $OUT"
+  fi
+  exit ${#failed[@]}  # from main's subshell: the number of failures
+}
+
+main 2>&1 | tee "$OUT/gpu_check.log"

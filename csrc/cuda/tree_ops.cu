@@ -73,7 +73,8 @@ __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
   __syncthreads();
   for (int32_t i = threadIdx.x; i < N; i += blockDim.x) {
     const int64_t o = r * N + i;
-    token_ids[o] = i == 0 ? s_tokens[0] : ids[r * LK + s_tokens[i]];  // a flat top-k index
+    // Past the root, build_one_tree left each node's flat top-k index: its id is looked up.
+    token_ids[o] = i == 0 ? s_tokens[0] : ids[r * LK + s_tokens[i]];
     parents[o] = s_parents[i];
     depths[o] = s_depths[i];
     first_child[o] = s_first[i];

@@ -2,10 +2,17 @@
 // none synchronizes with the host or allocates a data-dependent shape, so each can run
 // inside a captured CUDA graph. Bad values inside tensors are guarded, never dereferenced.
 #include <ATen/ATen.h>
+#include <torch/library.h>
+
+// tests/cuda_emulator runs this file on CPU threads: it defines the runtime calls and these
+// two spellings (a launch, a block's dynamic shared memory) before including it.
+#ifndef DDTREE_CUDA_EMULATOR
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#define DDTREE_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#define DDTREE_DYNAMIC_SMEM(name) extern __shared__ __align__(8) unsigned char name[]
+#endif
 
 #include <algorithm>
 #include <type_traits>
@@ -48,7 +55,7 @@ __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
                                   int64_t* token_ids, int32_t* parents, int32_t* depths,
                                   int32_t* first_child, int32_t* next_sibling, int32_t* mask,
                                   float* scores) {
-  extern __shared__ __align__(8) unsigned char smem[];
+  DDTREE_DYNAMIC_SMEM(smem);
   const int32_t N = budget + 1, W = (N + 31) / 32;
   const int64_t r = blockIdx.x, LK = static_cast<int64_t>(L) * K;
   auto* heap = reinterpret_cast<Candidate*>(smem);
@@ -98,7 +105,7 @@ __global__ void verify_tree_kernel(const int64_t* token_ids, const int32_t* firs
                                    const int32_t* next_sibling, const int64_t* target_tokens,
                                    int32_t N, int32_t D, bool stage, int32_t* accepted,
                                    int32_t* num_accepted, int64_t* output_tokens) {
-  extern __shared__ __align__(8) unsigned char smem[];
+  DDTREE_DYNAMIC_SMEM(smem);
   const int64_t r = blockIdx.x, base = r * N;
   const int64_t* tokens = token_ids + base;
   const int64_t* targets = target_tokens + base;
@@ -183,7 +190,7 @@ void launch_compact(const at::Tensor* const* caches, int count, const Entries& e
   for (int i = 0; i < count; ++i) bases.data[i] = caches[i]->data_ptr();
   auto go = [&](auto* word) {
     using word_t = std::remove_pointer_t<decltype(word)>;
-    compact_kernel<word_t><<<dim3(R, count), 256, 0, stream>>>(
+    DDTREE_LAUNCH(compact_kernel<word_t>, dim3(R, count), 256, 0, stream)(
         bases, e, slots, num_slots, qs.data_ptr<int64_t>(), acc.data_ptr<int32_t>(),
         num.data_ptr<int32_t>(), static_cast<int32_t>(acc.size(1)));
   };
@@ -214,7 +221,8 @@ at::Tensor tree_positions_cuda(const at::Tensor& seq_lens, const at::Tensor& dep
   const int64_t total = deps.numel();
   if (total == 0) return positions;
   const auto blocks = static_cast<unsigned int>((total + kThreads - 1) / kThreads);
-  tree_positions_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  DDTREE_LAUNCH(tree_positions_kernel, blocks, kThreads, 0,
+                c10::cuda::getCurrentCUDAStream())(
       lens.data_ptr<int64_t>(), deps.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
       deps.size(1), total);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -244,7 +252,7 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
       C10_CUDA_CHECK(cudaFuncSetAttribute(
           build_tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
-    build_tree_kernel<<<R, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
+    DDTREE_LAUNCH(build_tree_kernel, R, kThreads, smem, c10::cuda::getCurrentCUDAStream())(
         roots.data_ptr<int64_t>(), lp.data_ptr<float>(), ids.data_ptr<int64_t>(), L, K,
         budget, spine, stage, out.token_ids.data_ptr<int64_t>(),
         out.parents.data_ptr<int32_t>(), out.depths.data_ptr<int32_t>(),
@@ -269,8 +277,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
   auto output_tokens = at::empty({R, D + 1}, tok.options());
   if (R > 0) {
     const bool stage = N * kVerifyBytesPerNode <= 48 * 1024;  // trees up to 2048 nodes
-    verify_tree_kernel<<<R, kThreads, stage ? N * kVerifyBytesPerNode : 0,
-                         c10::cuda::getCurrentCUDAStream()>>>(
+    DDTREE_LAUNCH(verify_tree_kernel, R, kThreads, stage ? N * kVerifyBytesPerNode : 0,
+                  c10::cuda::getCurrentCUDAStream())(
         tok.data_ptr<int64_t>(), fc.data_ptr<int32_t>(), ns.data_ptr<int32_t>(),
         tgt.data_ptr<int64_t>(), N, D, stage, accepted.data_ptr<int32_t>(),
         num_accepted.data_ptr<int32_t>(), output_tokens.data_ptr<int64_t>());
@@ -338,11 +346,13 @@ void compact_tree_cuda(at::TensorList kv_caches, const at::Tensor& hidden_states
   }
 }
 
+#ifndef DDTREE_CUDA_EMULATOR
 TORCH_LIBRARY_IMPL(vllm_ddtree, CUDA, m) {
   m.impl("tree_positions", &tree_positions_cuda);
   m.impl("build_tree", &build_tree_cuda);
   m.impl("verify_tree", &verify_tree_cuda);
   m.impl("compact_tree", &compact_tree_cuda);
 }
+#endif
 
 }  // namespace vllm_ddtree

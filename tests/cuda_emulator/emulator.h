@@ -1,0 +1,219 @@
+// A CPU stand-in for the CUDA runtime, just enough to run csrc/cuda/tree_ops.cu's kernels
+// and launch code unchanged on a machine without a GPU (tests/test_cuda_emulated.py). Each
+// thread of a block is a std::thread; __syncthreads() is a barrier; a block's dynamic
+// shared memory is a fresh buffer of exactly the launch's size, filled with junk (CUDA does
+// not zero it) and followed by guard bytes checked after the block. Launches are checked
+// against an H200's limits, the 48 KiB default of dynamic shared memory included, and a bad
+// one fails as on a GPU: nothing runs and the error surfaces at C10_CUDA_KERNEL_LAUNCH_CHECK.
+// Blocks run one after another; what it cannot show is timing, or a race between blocks.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#define DDTREE_CUDA_EMULATOR 1
+#define __global__
+#define DDTREE_LAUNCH(kernel, grid, block, smem, stream) \
+  cuda_emulator::Launch(kernel, grid, block, smem, stream)
+#define DDTREE_DYNAMIC_SMEM(name) unsigned char* const name = cuda_emulator::dynamic_smem()
+
+struct dim3 {
+  unsigned int x, y, z;
+  dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint3 {
+  unsigned int x = 0, y = 0, z = 0;
+};
+inline thread_local uint3 threadIdx, blockIdx;
+inline thread_local dim3 blockDim, gridDim;
+
+using cudaStream_t = void*;
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorLaunchFailure = 2 };
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+
+namespace cuda_emulator {
+
+// An H200's (sm_90) limits.
+constexpr size_t kDefaultSmem = 48 * 1024, kOptinSmem = 227 * 1024;
+constexpr unsigned int kMaxThreads = 1024, kMaxGridYZ = 65535;
+constexpr size_t kMaxParamBytes = 4096;  // the classic limit (sm_90 allows more since 12.1)
+constexpr size_t kGuardBytes = 64;
+constexpr unsigned char kJunk = 0xA5, kGuard = 0x5A;
+
+inline std::string& last_error() {
+  static std::string error;
+  return error;
+}
+inline std::map<const void*, size_t>& max_dynamic_smem() {  // set by cudaFuncSetAttribute
+  static std::map<const void*, size_t> sizes;
+  return sizes;
+}
+
+// A barrier whose threads may leave early (a returned thread no longer holds others up).
+class Barrier {
+ public:
+  explicit Barrier(unsigned int count, std::function<void()> on_phase = {})
+      : expected_(count), on_phase_(std::move(on_phase)) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const uint64_t phase = phase_;
+    if (++arrived_ == expected_) {
+      next_phase();
+    } else {
+      changed_.wait(lock, [&] { return phase_ != phase; });
+    }
+  }
+  void arrive_and_drop() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--expected_ > 0 && arrived_ == expected_) next_phase();
+  }
+
+ private:
+  void next_phase() {
+    if (on_phase_) on_phase_();
+    arrived_ = 0;
+    ++phase_;
+    changed_.notify_all();
+  }
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  unsigned int expected_, arrived_ = 0;
+  uint64_t phase_ = 0;
+  std::function<void()> on_phase_;
+};
+
+struct Block {
+  Barrier barrier;
+  std::vector<unsigned char> smem;
+  size_t size;
+  Block(unsigned int threads, size_t bytes)
+      : barrier(threads), smem(bytes + kGuardBytes, kJunk), size(bytes) {
+    std::memset(smem.data() + bytes, kGuard, kGuardBytes);
+  }
+  bool guard_intact() const {
+    for (size_t i = size; i < smem.size(); ++i) {
+      if (smem[i] != kGuard) return false;
+    }
+    return true;
+  }
+};
+inline thread_local Block* current_block = nullptr;
+
+inline unsigned char* dynamic_smem() { return current_block->smem.data(); }
+
+// Runs the grid: blockDim threads take every block in turn, so a block's threads run
+// concurrently and blocks one after another.
+template <typename... Params>
+std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                Params... params) {
+  const unsigned int threads = block.x * block.y * block.z;
+  const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
+  auto current = std::make_unique<Block>(threads, smem);
+  uint64_t overflows = 0;
+  Barrier between(threads, [&] {
+    overflows += !current->guard_intact();
+    current = std::make_unique<Block>(threads, smem);
+  });
+  std::vector<std::thread> workers;
+  for (unsigned int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+      blockDim = block;
+      gridDim = grid;
+      for (uint64_t b = 0; b < blocks; ++b) {
+        current_block = current.get();  // replaced only while every thread waits below
+        blockIdx = {static_cast<unsigned int>(b % grid.x),
+                    static_cast<unsigned int>(b / grid.x % grid.y),
+                    static_cast<unsigned int>(b / grid.x / grid.y)};
+        kernel(params...);
+        current_block->barrier.arrive_and_drop();
+        between.arrive_and_wait();
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  if (overflows > 0) {
+    return "a kernel wrote past its dynamic shared memory (" + std::to_string(smem) +
+           " bytes) in " + std::to_string(overflows) + " block(s)";
+  }
+  return "";
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), spelt Launch(kernel, grid, block, smem,
+// stream)(args...).
+template <typename... Params>
+struct Launch {
+  void (*kernel)(Params...);
+  dim3 grid, block;
+  size_t smem;
+  Launch(void (*k)(Params...), dim3 g, dim3 b, size_t s, cudaStream_t)
+      : kernel(k), grid(g), block(b), smem(s) {}
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    std::string& error = last_error();
+    const unsigned int threads = block.x * block.y * block.z;
+    const auto optin = max_dynamic_smem().find(reinterpret_cast<const void*>(kernel));
+    const size_t allowed = optin == max_dynamic_smem().end() ? kDefaultSmem : optin->second;
+    if (threads == 0 || threads > kMaxThreads) {
+      error = "invalid block of " + std::to_string(threads) + " threads";
+    } else if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > kMaxGridYZ ||
+               grid.z > kMaxGridYZ) {
+      error = "invalid grid";
+    } else if (smem > allowed) {
+      error = "too many resources requested for launch: " + std::to_string(smem) +
+              " bytes of dynamic shared memory, " + std::to_string(allowed) + " allowed";
+    } else if ((sizeof(Params) + ... + 0) > kMaxParamBytes) {
+      error = "kernel parameters exceed " + std::to_string(kMaxParamBytes) + " bytes";
+    } else {
+      const std::string failed = run<Params...>(kernel, grid, block, smem,
+                                                static_cast<Params>(args)...);
+      if (!failed.empty()) error = failed;
+    }
+  }
+};
+
+}  // namespace cuda_emulator
+
+inline void __syncthreads() { cuda_emulator::current_block->barrier.arrive_and_wait(); }
+
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
+  *value = static_cast<int>(cuda_emulator::kOptinSmem);
+  return cudaSuccess;
+}
+
+template <typename Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute, int value) {
+  if (value < 0 || static_cast<size_t>(value) > cuda_emulator::kOptinSmem) {
+    return cudaErrorInvalidValue;
+  }
+  cuda_emulator::max_dynamic_smem()[reinterpret_cast<const void*>(kernel)] = value;
+  return cudaSuccess;
+}
+
+namespace c10::cuda {
+struct CUDAGuard {
+  explicit CUDAGuard(c10::Device) {}
+};
+struct CUDAStream {
+  operator cudaStream_t() const { return nullptr; }
+};
+inline CUDAStream getCurrentCUDAStream() { return {}; }
+}  // namespace c10::cuda
+
+#define C10_CUDA_CHECK(expr) \
+  TORCH_CHECK((expr) == cudaSuccess, "emulated CUDA call failed: " #expr)
+#define C10_CUDA_KERNEL_LAUNCH_CHECK()                                       \
+  do {                                                                       \
+    const std::string error = std::exchange(cuda_emulator::last_error(), ""); \
+    TORCH_CHECK(error.empty(), "CUDA kernel launch failed: ", error);        \
+  } while (0)

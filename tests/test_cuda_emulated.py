@@ -1,0 +1,151 @@
+"""The CUDA ops' own source (csrc/cuda/tree_ops.cu: launch code and kernels) run on CPU
+threads by tests/cuda_emulator, against the CPU ops as the oracle, on the cases of the CUDA
+suite (tests/cuda, which needs a GPU). What this shows: the kernels' indexing, shared-memory
+layouts and sizes, barriers and launch configurations (the 48 KiB opt-in included) give the
+CPU ops' results. What it cannot: timing, graph capture, the compiler's device code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from test_tree_build import build_cases
+from test_tree_compact import compact_cases, compact_inputs, make_cache
+from test_tree_verify import verify_cases
+from tree_cases import follow_choices, random_topk
+
+from vllm_ddtree import ops
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP = ("slot_mapping", "query_start_loc", "accepted", "num_accepted")
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    from torch.utils.cpp_extension import load
+
+    build = ROOT / "build" / "cuda-emulator"
+    build.mkdir(parents=True, exist_ok=True)
+    # DDTREE_EMULATOR_CFLAGS adds flags, e.g. -fsanitize=thread for a race check by hand.
+    extra = os.environ.get("DDTREE_EMULATOR_CFLAGS", "").split()
+    return load("ddtree_cuda_emulated", [str(ROOT / "tests/cuda_emulator/emulated_ops.cpp")],
+                extra_cflags=["-O2", "-std=c++20", "-D_GLIBCXX_ASSERTIONS", *extra],
+                extra_ldflags=[f for f in extra if f.startswith("-fsanitize")],
+                build_directory=str(build))
+
+
+def assert_equal_outputs(want, got) -> None:
+    assert len(want) == len(got)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"output {i} differs"
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=build_cases())
+def test_build_kernel_equals_cpu(emulated, case) -> None:
+    inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
+                         case["k"], case["ties"])
+    want = torch.ops.vllm_ddtree.build_tree(*inputs, case["budget"], case["spine"])
+    assert_equal_outputs(want, emulated.build_tree(*inputs, case["budget"], case["spine"]))
+
+
+@pytest.mark.parametrize("depth, k", [(16, 1024), (64, 1024)])
+@pytest.mark.parametrize("spine", [False, True])
+def test_build_kernel_at_the_largest_budget(emulated, depth, k, spine) -> None:
+    # Depth 16: the log-probs are staged in shared memory past the 48 KiB default (105 KiB),
+    # which the emulator refuses unless the launch code opted in. Depth 64: not staged.
+    inputs = random_topk(depth * k, 2, depth, 2 * k, k, ties=False)
+    want = torch.ops.vllm_ddtree.build_tree(*inputs, 1024, spine)
+    assert_equal_outputs(want, emulated.build_tree(*inputs, 1024, spine))
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=verify_cases())
+def test_verify_kernel_equals_cpu(emulated, case) -> None:
+    inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
+                         case["k"], ties=False)
+    trees = ops.build_tree(*inputs, case["budget"], case["spine"])
+    choices = follow_choices(trees, case["seed"], case["p_follow"])
+    args = (trees.token_ids, trees.first_child, trees.next_sibling, choices, case["depth"])
+    assert_equal_outputs(torch.ops.vllm_ddtree.verify_tree(*args), emulated.verify_tree(*args))
+
+
+@pytest.mark.parametrize("num_nodes", [1025, 3000])  # staged in shared memory; not staged
+def test_verify_kernel_on_a_wide_tree(emulated, num_nodes) -> None:
+    # A root with num_nodes - 2 children, the last with one child. Request 0's choices
+    # follow the last child and its child (the walk scans the whole sibling list), request
+    # 1's match nothing.
+    n = num_nodes
+    token_ids = torch.arange(n, dtype=torch.long).repeat(2, 1) + 7
+    first_child = torch.full((2, n), -1, dtype=torch.int32)
+    first_child[:, 0], first_child[:, n - 2] = 1, n - 1
+    next_sibling = torch.full((2, n), -1, dtype=torch.int32)
+    next_sibling[:, 1:n - 2] = torch.arange(2, n - 1, dtype=torch.int32)
+    choices = torch.full((2, n), -1, dtype=torch.long)
+    choices[0, 0], choices[0, n - 2] = token_ids[0, n - 2], token_ids[0, n - 1]
+    args = (token_ids, first_child, next_sibling, choices, 4)
+    want = torch.ops.vllm_ddtree.verify_tree(*args)
+    assert want[1].tolist() == [2, 0]
+    assert_equal_outputs(want, emulated.verify_tree(*args))
+
+
+def compacted(compact, inputs: dict, caches: list[torch.Tensor]) -> tuple:
+    caches = [c.clone() for c in caches]
+    hidden = inputs["hidden_states"].clone()
+    compact(caches, hidden, *(inputs[k] for k in STEP))
+    return caches, hidden
+
+
+def assert_same_bits(want: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a.contiguous().view(torch.uint8),
+                           b.contiguous().view(torch.uint8)), f"tensor {i} differs"
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=compact_cases())
+def test_compact_kernel_equals_cpu(emulated, case) -> None:
+    inputs = compact_inputs(case)
+    caches = inputs["kv_caches"]
+    want, want_hidden = compacted(torch.ops.vllm_ddtree.compact_tree, inputs, caches)
+    got, got_hidden = compacted(emulated.compact_tree, inputs, caches)
+    assert_same_bits(want + [want_hidden], got + [got_hidden])
+
+
+@settings(max_examples=3, deadline=None)  # R x 141 blocks of 256 threads
+@given(case=compact_cases())
+def test_compact_kernel_many_caches_of_two_geometries(emulated, case) -> None:
+    # One launch per geometry for up to 64 caches: 140 caches of two interleaved geometries
+    # (two launches each), one listed twice (compacted once, as the CPU op leaves it).
+    inputs = compact_inputs(case)
+    gen = torch.Generator().manual_seed(case["seed"])
+    num_blocks, _, block_size, _ = inputs["kv_caches"][0].shape
+    geometries = [(2, 16, case["dtype"], case["layout"]), (4, 8, torch.float32, "BNHC")]
+    caches = [make_cache(gen, num_blocks, heads, block_size, width, dtype, layout)
+              for i in range(140) for heads, width, dtype, layout in [geometries[i % 2]]]
+    want, want_hidden = compacted(torch.ops.vllm_ddtree.compact_tree, inputs, caches)
+    got, got_hidden = [c.clone() for c in caches], inputs["hidden_states"].clone()
+    emulated.compact_tree(got + [got[7]], got_hidden, *(inputs[k] for k in STEP))
+    assert_same_bits(want + [want_hidden], got + [got_hidden])
+
+
+def test_tree_positions_kernel_equals_cpu(emulated) -> None:
+    seq_lens = torch.randint(0, 10_000, (7,))
+    depths = torch.randint(0, 16, (7, 300), dtype=torch.int32)  # 2100 positions: 17 blocks
+    want = torch.ops.vllm_ddtree.tree_positions(seq_lens, depths)
+    assert torch.equal(emulated.tree_positions(seq_lens, depths), want)
+
+
+def test_the_emulator_enforces_the_device_limits(emulated) -> None:
+    """Each rule the results above rely on is one the emulator can fail."""
+    emulated.fill_smem(48 * 1024, False)
+    with pytest.raises(RuntimeError, match="too many resources"):
+        emulated.fill_smem(48 * 1024 + 4, False)  # past the default, without opting in
+    emulated.fill_smem(100 * 1024, True)
+    with pytest.raises(RuntimeError, match="emulated CUDA call failed"):
+        emulated.fill_smem(228 * 1024, True)  # past an H200's 227 KiB
+    with pytest.raises(RuntimeError, match="wrote past its dynamic shared memory"):
+        emulated.write_past_smem(100)

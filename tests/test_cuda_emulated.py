@@ -23,18 +23,31 @@ ROOT = Path(__file__).resolve().parent.parent
 STEP = ("slot_mapping", "query_start_loc", "accepted", "num_accepted")
 
 
-@pytest.fixture(scope="module")
-def emulated():
+def load_emulated():
+    """Builds (when its sources or flags changed) and imports the emulated ops."""
     from torch.utils.cpp_extension import load
 
     build = ROOT / "build" / "cuda-emulator"
     build.mkdir(parents=True, exist_ok=True)
     # DDTREE_EMULATOR_CFLAGS adds flags, e.g. -fsanitize=thread for a race check by hand.
     extra = os.environ.get("DDTREE_EMULATOR_CFLAGS", "").split()
-    return load("ddtree_cuda_emulated", [str(ROOT / "tests/cuda_emulator/emulated_ops.cpp")],
-                extra_cflags=["-O2", "-std=c++20", "-D_GLIBCXX_ASSERTIONS", *extra],
-                extra_ldflags=[f for f in extra if f.startswith("-fsanitize")],
-                build_directory=str(build))
+    # The compiler must not run under the sanitizer runtime this process may be preloaded
+    # with (scripts/check_sanitizers.sh).
+    preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        return load("ddtree_cuda_emulated",
+                    [str(ROOT / "tests/cuda_emulator/emulated_ops.cpp")],
+                    extra_cflags=["-O2", "-std=c++20", "-D_GLIBCXX_ASSERTIONS", *extra],
+                    extra_ldflags=[f for f in extra if f.startswith("-fsanitize")],
+                    build_directory=str(build))
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    return load_emulated()
 
 
 def assert_equal_outputs(want, got) -> None:

@@ -56,7 +56,7 @@ def assert_equal_outputs(want, got) -> None:
         assert a.dtype == b.dtype and torch.equal(a, b), f"output {i} differs"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(case=build_cases())
 def test_build_kernel_equals_cpu(emulated, case) -> None:
     inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
@@ -75,7 +75,7 @@ def test_build_kernel_at_the_largest_budget(emulated, depth, k, spine) -> None:
     assert_equal_outputs(want, emulated.build_tree(*inputs, 1024, spine))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(case=verify_cases())
 def test_verify_kernel_equals_cpu(emulated, case) -> None:
     inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
@@ -118,7 +118,7 @@ def assert_same_bits(want: list[torch.Tensor], got: list[torch.Tensor]) -> None:
                            b.contiguous().view(torch.uint8)), f"tensor {i} differs"
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(case=compact_cases())
 def test_compact_kernel_equals_cpu(emulated, case) -> None:
     inputs = compact_inputs(case)

@@ -6,6 +6,8 @@
 // against an H200's limits, the 48 KiB default of dynamic shared memory included, and a bad
 // one fails as on a GPU: nothing runs and the error surfaces at C10_CUDA_KERNEL_LAUNCH_CHECK.
 // Blocks run one after another; what it cannot show is timing, or a race between blocks.
+// Only runtime calls that never wait for the device are defined, so a cudaMemcpy or a
+// stream synchronize added to the .cu fails to build here.
 #pragma once
 #include <ATen/ATen.h>
 

@@ -162,3 +162,5 @@ def test_the_emulator_enforces_the_device_limits(emulated) -> None:
         emulated.fill_smem(228 * 1024, True)  # past an H200's 227 KiB
     with pytest.raises(RuntimeError, match="wrote past its dynamic shared memory"):
         emulated.write_past_smem(100)
+    with pytest.raises(RuntimeError, match="reached from different places"):
+        emulated.divergent_sync()

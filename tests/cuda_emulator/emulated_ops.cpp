@@ -1,6 +1,6 @@
 // csrc/cuda/tree_ops.cu, launch code and kernels unchanged, on the CPU emulator: its ops as
-// a Python module (torch.utils.cpp_extension.load), plus two kernels that break the
-// emulator's rules, so a test can see each rule enforced.
+// a Python module (torch.utils.cpp_extension.load), plus kernels that break the emulator's
+// rules, so a test can see each rule enforced.
 #include <torch/extension.h>
 
 #include "emulator.h"
@@ -19,6 +19,14 @@ __global__ void fill_smem_kernel(int32_t bytes) {
   for (int32_t i = threadIdx.x; i < bytes; i += blockDim.x) smem[i] = 1;
 }
 
+__global__ void divergent_sync_kernel() {
+  if (threadIdx.x % 2 == 0) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -33,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("write_past_smem", [](int32_t bytes) {
     DDTREE_LAUNCH(write_past_smem_kernel, 2, 32, bytes, nullptr)(bytes);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  m.def("divergent_sync", [] {
+    DDTREE_LAUNCH(divergent_sync_kernel, 1, 64, 0, nullptr)();
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   m.def("fill_smem", [](int32_t bytes, bool opt_in) {

@@ -1,6 +1,7 @@
 // A CPU stand-in for the CUDA runtime, just enough to run csrc/cuda/tree_ops.cu's kernels
 // and launch code unchanged on a machine without a GPU (tests/test_cuda_emulated.py). Each
-// thread of a block is a std::thread; __syncthreads() is a barrier; a block's dynamic
+// thread of a block is a std::thread; __syncthreads() is a barrier, which the block's
+// threads must reach from one place (a divergent one is reported); a block's dynamic
 // shared memory is a fresh buffer of exactly the launch's size, filled with junk (CUDA does
 // not zero it) and followed by guard bytes checked after the block. Launches are checked
 // against an H200's limits, the 48 KiB default of dynamic shared memory included, and a bad
@@ -18,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <source_location>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,13 +64,20 @@ inline std::map<const void*, size_t>& max_dynamic_smem() {  // set by cudaFuncSe
 }
 
 // A barrier whose threads may leave early (a returned thread no longer holds others up).
+// It notes a phase whose threads arrived from different places: __syncthreads() in
+// divergent code, which CUDA leaves undefined and a count of arrivals would hide.
 class Barrier {
  public:
   explicit Barrier(unsigned int count, std::function<void()> on_phase = {})
       : expected_(count), on_phase_(std::move(on_phase)) {}
-  void arrive_and_wait() {
+  void arrive_and_wait(const std::source_location& site = std::source_location::current()) {
     std::unique_lock<std::mutex> lock(mutex_);
     const uint64_t phase = phase_;
+    if (arrived_ == 0) {
+      line_ = site.line();
+    } else if (site.line() != line_) {
+      divergent_ = true;
+    }
     if (++arrived_ == expected_) {
       next_phase();
     } else {
@@ -78,6 +87,10 @@ class Barrier {
   void arrive_and_drop() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (--expected_ > 0 && arrived_ == expected_) next_phase();
+  }
+  bool divergent() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return divergent_;
   }
 
  private:
@@ -91,6 +104,8 @@ class Barrier {
   std::condition_variable changed_;
   unsigned int expected_, arrived_ = 0;
   uint64_t phase_ = 0;
+  uint32_t line_ = 0;
+  bool divergent_ = false;
   std::function<void()> on_phase_;
 };
 
@@ -121,9 +136,10 @@ std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   const unsigned int threads = block.x * block.y * block.z;
   const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
   auto current = std::make_unique<Block>(threads, smem);
-  uint64_t overflows = 0;
+  uint64_t overflows = 0, divergent = 0;
   Barrier between(threads, [&] {
     overflows += !current->guard_intact();
+    divergent += current->barrier.divergent();
     current = std::make_unique<Block>(threads, smem);
   });
   std::vector<std::thread> workers;
@@ -147,6 +163,10 @@ std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   if (overflows > 0) {
     return "a kernel wrote past its dynamic shared memory (" + std::to_string(smem) +
            " bytes) in " + std::to_string(overflows) + " block(s)";
+  }
+  if (divergent > 0) {
+    return "__syncthreads() reached from different places by one block's threads, in " +
+           std::to_string(divergent) + " block(s)";
   }
   return "";
 }
@@ -186,7 +206,9 @@ struct Launch {
 
 }  // namespace cuda_emulator
 
-inline void __syncthreads() { cuda_emulator::current_block->barrier.arrive_and_wait(); }
+inline void __syncthreads(std::source_location site = std::source_location::current()) {
+  cuda_emulator::current_block->barrier.arrive_and_wait(site);
+}
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
   *value = static_cast<int>(cuda_emulator::kOptinSmem);

@@ -22,6 +22,14 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def emulated_cuda_ops():
+    """The CUDA ops' source (csrc/cuda/tree_ops.cu) built for the CPU emulator."""
+    import cuda_emulator
+
+    return cuda_emulator.load()
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen3 target and DFlash drafter (scripts/make_tiny_models.py)."""
     import make_tiny_models

@@ -6,9 +6,6 @@ CPU ops' results. What it cannot: timing, graph capture, the compiler's device c
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,35 +16,7 @@ from tree_cases import follow_choices, random_topk
 
 from vllm_ddtree import ops
 
-ROOT = Path(__file__).resolve().parent.parent
 STEP = ("slot_mapping", "query_start_loc", "accepted", "num_accepted")
-
-
-def load_emulated():
-    """Builds (when its sources or flags changed) and imports the emulated ops."""
-    from torch.utils.cpp_extension import load
-
-    build = ROOT / "build" / "cuda-emulator"
-    build.mkdir(parents=True, exist_ok=True)
-    # DDTREE_EMULATOR_CFLAGS adds flags, e.g. -fsanitize=thread for a race check by hand.
-    extra = os.environ.get("DDTREE_EMULATOR_CFLAGS", "").split()
-    # The compiler must not run under the sanitizer runtime this process may be preloaded
-    # with (scripts/check_sanitizers.sh).
-    preload = os.environ.pop("LD_PRELOAD", None)
-    try:
-        return load("ddtree_cuda_emulated",
-                    [str(ROOT / "tests/cuda_emulator/emulated_ops.cpp")],
-                    extra_cflags=["-O2", "-std=c++20", "-D_GLIBCXX_ASSERTIONS", *extra],
-                    extra_ldflags=[f for f in extra if f.startswith("-fsanitize")],
-                    build_directory=str(build))
-    finally:
-        if preload is not None:
-            os.environ["LD_PRELOAD"] = preload
-
-
-@pytest.fixture(scope="module")
-def emulated():
-    return load_emulated()
 
 
 def assert_equal_outputs(want, got) -> None:
@@ -58,36 +27,38 @@ def assert_equal_outputs(want, got) -> None:
 
 @settings(max_examples=1000, deadline=None)
 @given(case=build_cases())
-def test_build_kernel_equals_cpu(emulated, case) -> None:
+def test_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
     inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
                          case["k"], case["ties"])
-    want = torch.ops.vllm_ddtree.build_tree(*inputs, case["budget"], case["spine"])
-    assert_equal_outputs(want, emulated.build_tree(*inputs, case["budget"], case["spine"]))
+    args = (*inputs, case["budget"], case["spine"])
+    assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args),
+                         emulated_cuda_ops.build_tree(*args))
 
 
 @pytest.mark.parametrize("depth, k", [(16, 1024), (64, 1024)])
 @pytest.mark.parametrize("spine", [False, True])
-def test_build_kernel_at_the_largest_budget(emulated, depth, k, spine) -> None:
+def test_build_kernel_at_the_largest_budget(emulated_cuda_ops, depth, k, spine) -> None:
     # Depth 16: the log-probs are staged in shared memory past the 48 KiB default (105 KiB),
     # which the emulator refuses unless the launch code opted in. Depth 64: not staged.
     inputs = random_topk(depth * k, 2, depth, 2 * k, k, ties=False)
     want = torch.ops.vllm_ddtree.build_tree(*inputs, 1024, spine)
-    assert_equal_outputs(want, emulated.build_tree(*inputs, 1024, spine))
+    assert_equal_outputs(want, emulated_cuda_ops.build_tree(*inputs, 1024, spine))
 
 
 @settings(max_examples=1000, deadline=None)
 @given(case=verify_cases())
-def test_verify_kernel_equals_cpu(emulated, case) -> None:
+def test_verify_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
     inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
                          case["k"], ties=False)
     trees = ops.build_tree(*inputs, case["budget"], case["spine"])
     choices = follow_choices(trees, case["seed"], case["p_follow"])
     args = (trees.token_ids, trees.first_child, trees.next_sibling, choices, case["depth"])
-    assert_equal_outputs(torch.ops.vllm_ddtree.verify_tree(*args), emulated.verify_tree(*args))
+    assert_equal_outputs(torch.ops.vllm_ddtree.verify_tree(*args),
+                         emulated_cuda_ops.verify_tree(*args))
 
 
 @pytest.mark.parametrize("num_nodes", [1025, 3000])  # staged in shared memory; not staged
-def test_verify_kernel_on_a_wide_tree(emulated, num_nodes) -> None:
+def test_verify_kernel_on_a_wide_tree(emulated_cuda_ops, num_nodes) -> None:
     # A root with num_nodes - 2 children, the last with one child. Request 0's choices
     # follow the last child and its child (the walk scans the whole sibling list), request
     # 1's match nothing.
@@ -102,7 +73,7 @@ def test_verify_kernel_on_a_wide_tree(emulated, num_nodes) -> None:
     args = (token_ids, first_child, next_sibling, choices, 4)
     want = torch.ops.vllm_ddtree.verify_tree(*args)
     assert want[1].tolist() == [2, 0]
-    assert_equal_outputs(want, emulated.verify_tree(*args))
+    assert_equal_outputs(want, emulated_cuda_ops.verify_tree(*args))
 
 
 def compacted(compact, inputs: dict, caches: list[torch.Tensor]) -> tuple:
@@ -120,17 +91,17 @@ def assert_same_bits(want: list[torch.Tensor], got: list[torch.Tensor]) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(case=compact_cases())
-def test_compact_kernel_equals_cpu(emulated, case) -> None:
+def test_compact_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
     inputs = compact_inputs(case)
     caches = inputs["kv_caches"]
     want, want_hidden = compacted(torch.ops.vllm_ddtree.compact_tree, inputs, caches)
-    got, got_hidden = compacted(emulated.compact_tree, inputs, caches)
+    got, got_hidden = compacted(emulated_cuda_ops.compact_tree, inputs, caches)
     assert_same_bits(want + [want_hidden], got + [got_hidden])
 
 
 @settings(max_examples=3, deadline=None)  # R x 141 blocks of 256 threads
 @given(case=compact_cases())
-def test_compact_kernel_many_caches_of_two_geometries(emulated, case) -> None:
+def test_compact_kernel_many_caches_of_two_geometries(emulated_cuda_ops, case) -> None:
     # One launch per geometry for up to 64 caches: 140 caches of two interleaved geometries
     # (two launches each), one listed twice (compacted once, as the CPU op leaves it).
     inputs = compact_inputs(case)
@@ -141,26 +112,26 @@ def test_compact_kernel_many_caches_of_two_geometries(emulated, case) -> None:
               for i in range(140) for heads, width, dtype, layout in [geometries[i % 2]]]
     want, want_hidden = compacted(torch.ops.vllm_ddtree.compact_tree, inputs, caches)
     got, got_hidden = [c.clone() for c in caches], inputs["hidden_states"].clone()
-    emulated.compact_tree(got + [got[7]], got_hidden, *(inputs[k] for k in STEP))
+    emulated_cuda_ops.compact_tree(got + [got[7]], got_hidden, *(inputs[k] for k in STEP))
     assert_same_bits(want + [want_hidden], got + [got_hidden])
 
 
-def test_tree_positions_kernel_equals_cpu(emulated) -> None:
+def test_tree_positions_kernel_equals_cpu(emulated_cuda_ops) -> None:
     seq_lens = torch.randint(0, 10_000, (7,))
     depths = torch.randint(0, 16, (7, 300), dtype=torch.int32)  # 2100 positions: 17 blocks
     want = torch.ops.vllm_ddtree.tree_positions(seq_lens, depths)
-    assert torch.equal(emulated.tree_positions(seq_lens, depths), want)
+    assert torch.equal(emulated_cuda_ops.tree_positions(seq_lens, depths), want)
 
 
-def test_the_emulator_enforces_the_device_limits(emulated) -> None:
+def test_the_emulator_enforces_the_device_limits(emulated_cuda_ops) -> None:
     """Each rule the results above rely on is one the emulator can fail."""
-    emulated.fill_smem(48 * 1024, False)
+    emulated_cuda_ops.fill_smem(48 * 1024, False)
     with pytest.raises(RuntimeError, match="too many resources"):
-        emulated.fill_smem(48 * 1024 + 4, False)  # past the default, without opting in
-    emulated.fill_smem(100 * 1024, True)
+        emulated_cuda_ops.fill_smem(48 * 1024 + 4, False)  # past the default, not opted in
+    emulated_cuda_ops.fill_smem(100 * 1024, True)
     with pytest.raises(RuntimeError, match="emulated CUDA call failed"):
-        emulated.fill_smem(228 * 1024, True)  # past an H200's 227 KiB
+        emulated_cuda_ops.fill_smem(228 * 1024, True)  # past an H200's 227 KiB
     with pytest.raises(RuntimeError, match="wrote past its dynamic shared memory"):
-        emulated.write_past_smem(100)
+        emulated_cuda_ops.write_past_smem(100)
     with pytest.raises(RuntimeError, match="reached from different places"):
-        emulated.divergent_sync()
+        emulated_cuda_ops.divergent_sync()

@@ -878,16 +878,37 @@ def cuda_tree_attn_on_cpu(monkeypatch):
     selector._cached_get_attn_backend.cache_clear()
 
 
+@pytest.fixture
+def cuda_ops_on_the_emulator(monkeypatch, emulated_cuda_ops) -> dict[str, int]:
+    """For one test, torch.ops.vllm_ddtree.* on CPU tensors run the CUDA ops' source
+    (csrc/cuda/tree_ops.cu) on tests/cuda_emulator; the calls are counted per op."""
+    import vllm_ddtree.ops  # noqa: F401  (registers the ops replaced here)
+
+    calls = dict.fromkeys(["build_tree", "verify_tree", "compact_tree"], 0)
+
+    def counted(name):
+        def op(*args):
+            calls[name] += 1
+            return getattr(emulated_cuda_ops, name)(*args)
+        return op
+
+    for name in calls:
+        monkeypatch.setattr(torch.ops.vllm_ddtree, name, counted(name))
+    return calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
 def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_path: Path,
                                                        monkeypatch, family, scheduling,
-                                                       cuda_tree_attn_on_cpu) -> None:
+                                                       cuda_tree_attn_on_cpu,
+                                                       cuda_ops_on_the_emulator) -> None:
     """TREE_ATTN's CUDA backend inside vLLM's engine, on CPU tensors: vLLM's Triton KV
     layout, the backend's metadata builder on the runner's real batches, the Triton tree
-    kernel (for gpt-oss with sinks, and a window in every other layer) and compaction in
-    that layout, trees accepted deep and off the chain: lossless. What a GPU runs, bar the
-    device and vLLM's cache-write kernel."""
+    kernel (for gpt-oss with sinks, and a window in every other layer), the CUDA tree ops
+    (build, verify, compaction in that layout) on the CPU emulator, trees accepted deep and
+    off the chain: lossless. What a GPU runs, bar the device and vLLM's cache-write
+    kernel."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from vllm_ddtree.attention.backend import TreeAttentionImpl
@@ -911,3 +932,4 @@ def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_pa
         assert all(i.sinks is not None for i in impls)
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+    assert min(cuda_ops_on_the_emulator.values()) > 0, cuda_ops_on_the_emulator

@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from test_tree_build import build_cases
-from test_tree_compact import compact_cases, compact_inputs, make_cache
+from test_tree_compact import caches_of_two_geometries, compact_cases, compact_inputs
 from test_tree_verify import verify_cases
-from tree_cases import follow_choices, random_topk
+from tree_cases import follow_choices, random_topk, wide_trees
 
 from vllm_ddtree import ops
 
@@ -59,18 +59,7 @@ def test_verify_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
 
 @pytest.mark.parametrize("num_nodes", [1025, 3000])  # staged in shared memory; not staged
 def test_verify_kernel_on_a_wide_tree(emulated_cuda_ops, num_nodes) -> None:
-    # A root with num_nodes - 2 children, the last with one child. Request 0's choices
-    # follow the last child and its child (the walk scans the whole sibling list), request
-    # 1's match nothing.
-    n = num_nodes
-    token_ids = torch.arange(n, dtype=torch.long).repeat(2, 1) + 7
-    first_child = torch.full((2, n), -1, dtype=torch.int32)
-    first_child[:, 0], first_child[:, n - 2] = 1, n - 1
-    next_sibling = torch.full((2, n), -1, dtype=torch.int32)
-    next_sibling[:, 1:n - 2] = torch.arange(2, n - 1, dtype=torch.int32)
-    choices = torch.full((2, n), -1, dtype=torch.long)
-    choices[0, 0], choices[0, n - 2] = token_ids[0, n - 2], token_ids[0, n - 1]
-    args = (token_ids, first_child, next_sibling, choices, 4)
+    args = (*wide_trees(num_nodes), 4)
     want = torch.ops.vllm_ddtree.verify_tree(*args)
     assert want[1].tolist() == [2, 0]
     assert_equal_outputs(want, emulated_cuda_ops.verify_tree(*args))
@@ -105,11 +94,7 @@ def test_compact_kernel_many_caches_of_two_geometries(emulated_cuda_ops, case) -
     # One launch per geometry for up to 64 caches: 140 caches of two interleaved geometries
     # (two launches each), one listed twice (compacted once, as the CPU op leaves it).
     inputs = compact_inputs(case)
-    gen = torch.Generator().manual_seed(case["seed"])
-    num_blocks, _, block_size, _ = inputs["kv_caches"][0].shape
-    geometries = [(2, 16, case["dtype"], case["layout"]), (4, 8, torch.float32, "BNHC")]
-    caches = [make_cache(gen, num_blocks, heads, block_size, width, dtype, layout)
-              for i in range(140) for heads, width, dtype, layout in [geometries[i % 2]]]
+    caches = caches_of_two_geometries(case, inputs, 140)
     want, want_hidden = compacted(torch.ops.vllm_ddtree.compact_tree, inputs, caches)
     got, got_hidden = [c.clone() for c in caches], inputs["hidden_states"].clone()
     emulated_cuda_ops.compact_tree(got + [got[7]], got_hidden, *(inputs[k] for k in STEP))

@@ -68,6 +68,16 @@ def compact_inputs(case: dict) -> dict:
                                 torch.zeros(case["plain"], dtype=torch.int32)])[order])
 
 
+def caches_of_two_geometries(case: dict, inputs: dict, count: int) -> list[torch.Tensor]:
+    """`count` caches for compact_inputs' slots, of two geometries interleaved: the case's
+    (as inputs' caches) and a float32 BNHC one with other heads and widths."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    num_blocks, _, block_size, _ = inputs["kv_caches"][0].shape
+    geometries = [(2, 16, case["dtype"], case["layout"]), (4, 8, torch.float32, "BNHC")]
+    return [make_cache(gen, num_blocks, heads, block_size, width, dtype, layout)
+            for i in range(count) for heads, width, dtype, layout in [geometries[i % 2]]]
+
+
 @settings(max_examples=400, deadline=None)
 @given(case=compact_cases())
 def test_compact_moves_accepted_entries_and_nothing_else(case) -> None:

@@ -46,3 +46,19 @@ def follow_choices(trees: DraftTrees, seed: int, p_follow: float) -> torch.Tenso
                 pick = kids[torch.randint(0, len(kids), (), generator=gen)]
                 choices[r, node] = trees.token_ids[r, pick]
     return choices
+
+
+def wide_trees(num_nodes: int) -> tuple[torch.Tensor, ...]:
+    """Two requests' trees of num_nodes nodes: a root with num_nodes - 2 children, the last
+    with one child, and the target's choices. Request 0's follow the last child and its
+    child (a walk scans the whole sibling list), request 1's match nothing: verify_tree
+    accepts 2 and 0. Returns token_ids, first_child, next_sibling, choices."""
+    n = num_nodes
+    token_ids = torch.arange(n, dtype=torch.long).repeat(2, 1) + 7
+    first_child = torch.full((2, n), -1, dtype=torch.int32)
+    first_child[:, 0], first_child[:, n - 2] = 1, n - 1
+    next_sibling = torch.full((2, n), -1, dtype=torch.int32)
+    next_sibling[:, 1:n - 2] = torch.arange(2, n - 1, dtype=torch.int32)
+    choices = torch.full((2, n), -1, dtype=torch.long)
+    choices[0, 0], choices[0, n - 2] = token_ids[0, n - 2], token_ids[0, n - 1]
+    return token_ids, first_child, next_sibling, choices

@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from test_tree_build import build_cases
-from test_tree_compact import compact_cases, compact_inputs, make_cache
+from test_tree_compact import caches_of_two_geometries, compact_cases, compact_inputs
 from test_tree_verify import verify_cases
-from tree_cases import follow_choices, random_topk
+from tree_cases import follow_choices, random_topk, wide_trees
 
 from vllm_ddtree import ops
 
@@ -59,18 +59,8 @@ def test_verify_cuda_equals_cpu(case) -> None:
 
 @pytest.mark.parametrize("num_nodes", [1025, 3000])
 def test_verify_cuda_equals_cpu_on_a_wide_tree(num_nodes) -> None:
-    # A root with num_nodes - 2 children, the last with one child: the walk scans the whole
-    # sibling list (staged in shared memory up to 2048 nodes, read from global memory past
-    # that). Request 0's choices follow the last child and its child, request 1's match none.
-    n = num_nodes
-    token_ids = torch.arange(n, dtype=torch.long).repeat(2, 1) + 7
-    first_child = torch.full((2, n), -1, dtype=torch.int32)
-    first_child[:, 0], first_child[:, n - 2] = 1, n - 1
-    next_sibling = torch.full((2, n), -1, dtype=torch.int32)
-    next_sibling[:, 1:n - 2] = torch.arange(2, n - 1, dtype=torch.int32)
-    choices = torch.full((2, n), -1, dtype=torch.long)
-    choices[0, 0], choices[0, n - 2] = token_ids[0, n - 2], token_ids[0, n - 1]
-    inputs = (token_ids, first_child, next_sibling, choices)
+    # Staged in shared memory up to 2048 nodes, read from global memory past that.
+    inputs = wide_trees(num_nodes)
     want = torch.ops.vllm_ddtree.verify_tree(*inputs, 4)
     assert want[1].tolist() == [2, 0]
     got = torch.ops.vllm_ddtree.verify_tree(*to(CUDA, *inputs), 4)
@@ -115,11 +105,7 @@ def test_compact_cuda_many_caches_of_two_geometries(case) -> None:
     # 140 caches of two geometries interleaved (70 each, two launches each), one listed
     # twice, end as the CPU op leaves them.
     inputs = compact_inputs(case)
-    gen = torch.Generator().manual_seed(case["seed"])
-    num_blocks, _, block_size, _ = inputs["kv_caches"][0].shape
-    geometries = [(2, 16, case["dtype"], case["layout"]), (4, 8, torch.float32, "BNHC")]
-    caches = [make_cache(gen, num_blocks, heads, block_size, width, dtype, layout)
-              for i in range(140) for heads, width, dtype, layout in [geometries[i % 2]]]
+    caches = caches_of_two_geometries(case, inputs, 140)
     step = [inputs[k] for k in ("slot_mapping", "query_start_loc", "accepted",
                                 "num_accepted")]
     want, want_hidden = [c.clone() for c in caches], inputs["hidden_states"].clone()

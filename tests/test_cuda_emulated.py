@@ -110,6 +110,7 @@ def test_tree_positions_kernel_equals_cpu(emulated_cuda_ops) -> None:
 
 def test_the_emulator_enforces_the_device_limits(emulated_cuda_ops) -> None:
     """Each rule the results above rely on is one the emulator can fail."""
+    emulated_cuda_ops.fill_smem(48 * 1024, True)  # (re)sets the kernel's limit to the default
     emulated_cuda_ops.fill_smem(48 * 1024, False)
     with pytest.raises(RuntimeError, match="too many resources"):
         emulated_cuda_ops.fill_smem(48 * 1024 + 4, False)  # past the default, not opted in

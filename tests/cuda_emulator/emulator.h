@@ -6,7 +6,8 @@
 // not zero it) and followed by guard bytes checked after the block. Launches are checked
 // against an H200's limits, the 48 KiB default of dynamic shared memory included, and a bad
 // one fails as on a GPU: nothing runs and the error surfaces at C10_CUDA_KERNEL_LAUNCH_CHECK.
-// Blocks run one after another; what it cannot show is timing, or a race between blocks.
+// Blocks run one after another, in a shuffled order (a GPU promises none); what it cannot
+// show is timing, or a race between blocks.
 // Only runtime calls that never wait for the device are defined, so a cudaMemcpy or a
 // stream synchronize added to the .cu fails to build here.
 #pragma once
@@ -19,6 +20,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <source_location>
 #include <string>
 #include <thread>
@@ -129,12 +132,16 @@ inline thread_local Block* current_block = nullptr;
 inline unsigned char* dynamic_smem() { return current_block->smem.data(); }
 
 // Runs the grid: blockDim threads take every block in turn, so a block's threads run
-// concurrently and blocks one after another.
+// concurrently and blocks one after another, in an order shuffled per launch.
 template <typename... Params>
 std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                 Params... params) {
   const unsigned int threads = block.x * block.y * block.z;
   const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
+  static std::mt19937_64 shuffler(0);
+  std::vector<uint64_t> order(blocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), shuffler);
   auto current = std::make_unique<Block>(threads, smem);
   uint64_t overflows = 0, divergent = 0;
   Barrier between(threads, [&] {
@@ -148,7 +155,7 @@ std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
       threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
       blockDim = block;
       gridDim = grid;
-      for (uint64_t b = 0; b < blocks; ++b) {
+      for (const uint64_t b : order) {
         current_block = current.get();  // replaced only while every thread waits below
         blockIdx = {static_cast<unsigned int>(b % grid.x),
                     static_cast<unsigned int>(b / grid.x % grid.y),

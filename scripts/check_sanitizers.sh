@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The native ops under sanitizers, in a scratch copy of the checkout (the regular build is
-# left alone). Not part of scripts/test.sh (a few minutes); run it after changing csrc/.
+# left alone). Not part of scripts/test.sh (about 10 minutes); run it after changing csrc/.
 #  1. AddressSanitizer + libstdc++ assertions (-D_GLIBCXX_ASSERTIONS): the CPU tree-op tests,
 #     and the CUDA kernels on the CPU emulator (tests/cuda_emulator), whose global and
 #     shared-memory accesses are then bounds-checked.

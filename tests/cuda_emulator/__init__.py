@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -19,8 +20,12 @@ def load() -> ModuleType:
     build = HERE.parent.parent / "build" / "cuda-emulator"
     build.mkdir(parents=True, exist_ok=True)
     extra = os.environ.get("DDTREE_EMULATOR_CFLAGS", "").split()
-    # The compiler must not run under a sanitizer runtime this process is preloaded with.
-    preload = os.environ.pop("LD_PRELOAD", None)
+    saved = dict(os.environ)
+    # The compiler must not run under a sanitizer runtime this process is preloaded with,
+    # and the build needs ninja, which scripts/setup_env.sh installs beside this Python.
+    os.environ.pop("LD_PRELOAD", None)
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent),
+                                          os.environ.get("PATH", "")])
     try:
         return load_extension(
             "ddtree_cuda_emulated", [str(HERE / "emulated_ops.cpp")],
@@ -28,5 +33,5 @@ def load() -> ModuleType:
             extra_ldflags=[f for f in extra if f.startswith("-fsanitize")],
             build_directory=str(build))
     finally:
-        if preload is not None:
-            os.environ["LD_PRELOAD"] = preload
+        os.environ.clear()
+        os.environ.update(saved)

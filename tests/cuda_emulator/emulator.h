@@ -52,7 +52,7 @@ namespace cuda_emulator {
 
 // An H200's (sm_90) limits.
 constexpr size_t kDefaultSmem = 48 * 1024, kOptinSmem = 227 * 1024;
-constexpr unsigned int kMaxThreads = 1024, kMaxGridYZ = 65535;
+constexpr unsigned int kMaxThreads = 1024, kMaxGridX = 2147483647u, kMaxGridYZ = 65535;
 constexpr size_t kMaxParamBytes = 4096;  // the classic limit (sm_90 allows more since 12.1)
 constexpr size_t kGuardBytes = 64;
 constexpr unsigned char kJunk = 0xA5, kGuard = 0x5A;
@@ -195,8 +195,8 @@ struct Launch {
     const size_t allowed = optin == max_dynamic_smem().end() ? kDefaultSmem : optin->second;
     if (threads == 0 || threads > kMaxThreads) {
       error = "invalid block of " + std::to_string(threads) + " threads";
-    } else if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > kMaxGridYZ ||
-               grid.z > kMaxGridYZ) {
+    } else if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > kMaxGridX ||
+               grid.y > kMaxGridYZ || grid.z > kMaxGridYZ) {
       error = "invalid grid";
     } else if (smem > allowed) {
       error = "too many resources requested for launch: " + std::to_string(smem) +

@@ -121,3 +121,26 @@ def test_the_emulator_enforces_the_device_limits(emulated_cuda_ops) -> None:
         emulated_cuda_ops.write_past_smem(100)
     with pytest.raises(RuntimeError, match="reached from different places"):
         emulated_cuda_ops.divergent_sync()
+
+
+def test_empty_batches(emulated_cuda_ops) -> None:
+    # No request (or no node): the launch code must launch nothing, since an empty grid is
+    # an invalid launch on a GPU (and in the emulator).
+    roots, logprobs, ids = random_topk(0, 1, 4, 50, 8, ties=False)
+    empty = (roots[:0], logprobs[:0], ids[:0], 16, True)
+    want = torch.ops.vllm_ddtree.build_tree(*empty)
+    assert want[0].shape == (0, 17)
+    assert_equal_outputs(want, emulated_cuda_ops.build_tree(*empty))
+    args = (want[0], want[3], want[4], want[0], 4)
+    assert_equal_outputs(torch.ops.vllm_ddtree.verify_tree(*args),
+                         emulated_cuda_ops.verify_tree(*args))
+    cache = torch.randn(4, 2, 16, 8)
+    step = (torch.arange(8), torch.zeros(1, dtype=torch.int32),
+            torch.zeros(0, 4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    got = cache.clone()
+    emulated_cuda_ops.compact_tree([got], torch.empty(0, 8), *step)
+    assert torch.equal(got, cache)
+    for shape in [(0, 5), (3, 0)]:
+        depths = torch.zeros(shape, dtype=torch.int32)
+        seq_lens = torch.zeros(shape[0], dtype=torch.long)
+        assert emulated_cuda_ops.tree_positions(seq_lens, depths).shape == shape

@@ -26,6 +26,8 @@ namespace vllm_ddtree {
 namespace {
 
 constexpr int kThreads = 128;
+// Dynamic shared memory a kernel gets without opting in (cudaFuncSetAttribute).
+constexpr size_t kDefaultSmemBytes = 48 * 1024;
 
 __global__ void tree_positions_kernel(const int64_t* __restrict__ seq_lens,
                                       const int64_t* __restrict__ depths,
@@ -41,7 +43,7 @@ __global__ void tree_positions_kernel(const int64_t* __restrict__ seq_lens,
 // where it fits, the request's top-k log-probs (read twice per node on the serial path).
 constexpr size_t kBuildBytesPerNode =
     sizeof(Candidate) + sizeof(int64_t) + sizeof(float) + 5 * sizeof(int32_t);
-static_assert((kMaxBudget + 1) * kBuildBytesPerNode <= 48 * 1024,
+static_assert((kMaxBudget + 1) * kBuildBytesPerNode <= kDefaultSmemBytes,
               "a build must fit the default 48 KiB of dynamic shared memory");
 
 // One block per request: the block stages the log-probs (if stage_logprobs), thread 0 runs
@@ -248,7 +250,7 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
     const size_t tree_bytes = N * kBuildBytesPerNode, staged_bytes = L * K * sizeof(float);
     const bool stage = tree_bytes + staged_bytes <= static_cast<size_t>(optin);
     const size_t smem = tree_bytes + (stage ? staged_bytes : 0);
-    if (smem > 48 * 1024) {
+    if (smem > kDefaultSmemBytes) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(
           build_tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
@@ -257,8 +259,7 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
         budget, spine, stage, out.token_ids.data_ptr<int64_t>(),
         out.parents.data_ptr<int32_t>(), out.depths.data_ptr<int32_t>(),
         out.first_child.data_ptr<int32_t>(), out.next_sibling.data_ptr<int32_t>(),
-        out.mask.data_ptr<int32_t>(),
-        out.scores.data_ptr<float>());
+        out.mask.data_ptr<int32_t>(), out.scores.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out.as_tuple();
@@ -276,7 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
   auto num_accepted = at::empty({R}, fc.options());
   auto output_tokens = at::empty({R, D + 1}, tok.options());
   if (R > 0) {
-    const bool stage = N * kVerifyBytesPerNode <= 48 * 1024;  // trees up to 2048 nodes
+    const bool stage = N * kVerifyBytesPerNode <= kDefaultSmemBytes;  // up to 2048 nodes
     DDTREE_LAUNCH(verify_tree_kernel, R, kThreads, stage ? N * kVerifyBytesPerNode : 0,
                   c10::cuda::getCurrentCUDAStream())(
         tok.data_ptr<int64_t>(), fc.data_ptr<int32_t>(), ns.data_ptr<int32_t>(),

@@ -10,13 +10,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from test_tree_build import build_cases
-from test_tree_compact import caches_of_two_geometries, compact_cases, compact_inputs
+from test_tree_compact import (
+    caches_of_two_geometries,
+    compact_cases,
+    compact_inputs,
+    step_args,
+)
 from test_tree_verify import verify_cases
 from tree_cases import follow_choices, random_topk, wide_trees
 
 from vllm_ddtree import ops
-
-STEP = ("slot_mapping", "query_start_loc", "accepted", "num_accepted")
 
 
 def assert_equal_outputs(want, got) -> None:
@@ -68,7 +71,7 @@ def test_verify_kernel_on_a_wide_tree(emulated_cuda_ops, num_nodes) -> None:
 def compacted(compact, inputs: dict, caches: list[torch.Tensor]) -> tuple:
     caches = [c.clone() for c in caches]
     hidden = inputs["hidden_states"].clone()
-    compact(caches, hidden, *(inputs[k] for k in STEP))
+    compact(caches, hidden, *step_args(inputs))
     return caches, hidden
 
 
@@ -97,7 +100,7 @@ def test_compact_kernel_many_caches_of_two_geometries(emulated_cuda_ops, case) -
     caches = caches_of_two_geometries(case, inputs, 140)
     want, want_hidden = compacted(torch.ops.vllm_ddtree.compact_tree, inputs, caches)
     got, got_hidden = [c.clone() for c in caches], inputs["hidden_states"].clone()
-    emulated_cuda_ops.compact_tree(got + [got[7]], got_hidden, *(inputs[k] for k in STEP))
+    emulated_cuda_ops.compact_tree(got + [got[7]], got_hidden, *step_args(inputs))
     assert_same_bits(want + [want_hidden], got + [got_hidden])
 
 

@@ -68,6 +68,11 @@ def compact_inputs(case: dict) -> dict:
                                 torch.zeros(case["plain"], dtype=torch.int32)])[order])
 
 
+def step_args(inputs: dict) -> list[torch.Tensor]:
+    """compact_tree's arguments after the caches and hidden rows, from compact_inputs."""
+    return [inputs[k] for k in ("slot_mapping", "query_start_loc", "accepted", "num_accepted")]
+
+
 def caches_of_two_geometries(case: dict, inputs: dict, count: int) -> list[torch.Tensor]:
     """`count` caches for compact_inputs' slots, of two geometries interleaved: the case's
     (as inputs' caches) and a float32 BNHC one with other heads and widths."""
@@ -145,8 +150,7 @@ def test_a_cache_listed_twice_is_compacted_as_once(case) -> None:
     # Cross-layer KV sharing lists one cache under two layers (the CUDA op's twin test is
     # in tests/cuda).
     inputs = compact_inputs(case)
-    step = [inputs[k] for k in ("slot_mapping", "query_start_loc", "accepted",
-                                "num_accepted")]
+    step = step_args(inputs)
     once, twice = inputs["kv_caches"][0], inputs["kv_caches"][0].clone()
     torch.ops.vllm_ddtree.compact_tree([once], torch.empty(0), *step)
     torch.ops.vllm_ddtree.compact_tree([twice, twice], torch.empty(0), *step)

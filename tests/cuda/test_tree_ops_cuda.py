@@ -7,7 +7,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from test_tree_build import build_cases
-from test_tree_compact import caches_of_two_geometries, compact_cases, compact_inputs
+from test_tree_compact import (
+    caches_of_two_geometries,
+    compact_cases,
+    compact_inputs,
+    step_args,
+)
 from test_tree_verify import verify_cases
 from tree_cases import follow_choices, random_topk, wide_trees
 
@@ -88,8 +93,7 @@ def test_compact_cuda_with_a_cache_listed_twice(case) -> None:
     # CPU op (which copies every cache per path step) leaves it.
     inputs = compact_inputs(case)
     cache = inputs["kv_caches"][0]
-    step = [inputs[k] for k in ("slot_mapping", "query_start_loc", "accepted",
-                                "num_accepted")]
+    step = step_args(inputs)
     want = cache.clone()
     torch.ops.vllm_ddtree.compact_tree([want], torch.empty(0), *step)
     got = cache.to(CUDA)
@@ -106,8 +110,7 @@ def test_compact_cuda_many_caches_of_two_geometries(case) -> None:
     # twice, end as the CPU op leaves them.
     inputs = compact_inputs(case)
     caches = caches_of_two_geometries(case, inputs, 140)
-    step = [inputs[k] for k in ("slot_mapping", "query_start_loc", "accepted",
-                                "num_accepted")]
+    step = step_args(inputs)
     want, want_hidden = [c.clone() for c in caches], inputs["hidden_states"].clone()
     torch.ops.vllm_ddtree.compact_tree(want, want_hidden, *step)
     got, got_hidden = [c.to(CUDA) for c in caches], inputs["hidden_states"].to(CUDA)

@@ -8,6 +8,8 @@
 #
 #   scripts/gpu_check.sh            # uses .venv/bin/python if present, else python3
 #   STEP_LIMIT_S=60 scripts/gpu_check.sh   # caps every step's time limit (seconds)
+#   TOTAL_LIMIT_S=480 scripts/gpu_check.sh # the whole run's budget, for a machine lent for
+#                                          # one command of limited time (see check)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -18,12 +20,25 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 # check NAME LIMIT CMD...: runs CMD for at most LIMIT seconds (or STEP_LIMIT_S, if less). A
 # failure or a hang is recorded and the run goes on, so that one device run brings back
 # every result it can; the summary at the end names the failures, and the exit status is
-# their number.
+# their number. Under TOTAL_LIMIT_S a step also gets no more than what is left of the run,
+# less RESERVE_S for a killed step's grace and the summary, and a step that would get under
+# MIN_STEP_S is not run (counted as a failure): the summary is written before the device
+# command's own limit kills the run.
+RESERVE_S=15 MIN_STEP_S=20
 failed=()
 check() {
-  local name=$1 limit=$2 rc
+  local name=$1 limit=$2 rc left
   shift 2
   [ -n "${STEP_LIMIT_S:-}" ] && [ "$STEP_LIMIT_S" -lt "$limit" ] && limit=$STEP_LIMIT_S
+  if [ -n "${deadline:-}" ]; then
+    left=$(( deadline - $(date +%s) - RESERVE_S ))
+    if [ "$left" -lt "$MIN_STEP_S" ]; then
+      failed+=("$name (not run: TOTAL_LIMIT_S spent)")
+      echo "gpu_check: NOT RUN: $name: TOTAL_LIMIT_S spent"
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   set +e
   timeout -k 10 "$limit" "$@"
   rc=$?
@@ -41,6 +56,7 @@ check() {
 # The whole run, its output also in $OUT/gpu_check.log (a pipe to tee, which the script
 # waits for: the log is complete when the script returns).
 main() {
+  [ -n "${TOTAL_LIMIT_S:-}" ] && deadline=$(( $(date +%s) + TOTAL_LIMIT_S ))
   step "device"
   nvidia-smi -L
   "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,11 +103,10 @@ def test_bench_tree_ops_runs(tmp_path: Path) -> None:
     assert row["budget"] == 16 and row["build_from_topk"] > 0 and row["verify"] > 0
 
 
-def test_gpu_check_goes_on_after_a_failing_step(tmp_path: Path) -> None:
-    # One device run must bring back every result it can: with a stub GPU and a stub Python
-    # whose CUDA build fails and whose CUDA tests hang, the CPU ops are built instead, the
-    # hang is cut at its time limit, the benchmarks still run, the summary names both
-    # failures, and $OUT holds no more files than a lent machine brings back (eight).
+def run_gpu_check_on_stubs(tmp_path: Path, **limits: str):
+    """scripts/gpu_check.sh with a stub GPU and a stub Python whose CUDA build fails and
+    whose CUDA tests hang; ``limits`` are its *_LIMIT_S variables. Returns the finished
+    process, the stub's command lines and the files left in $OUT."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stub'\n")
@@ -114,27 +114,52 @@ def test_gpu_check_goes_on_after_a_failing_step(tmp_path: Path) -> None:
     (bin_dir / "python-stub").write_text(
         f'#!/bin/sh\necho "FORCE_CUDA=$FORCE_CUDA FORCE_CPU=$FORCE_CPU $*" >> {calls}\n'
         'case "$*" in *setup.py*) [ "$FORCE_CUDA" = 1 ] && exit 1;; '
-        '*tests/cuda*) exec sleep 30;; *"import vllm"*) exit 1;; esac\n'
+        '*tests/cuda*) exec sleep 300;; *"import vllm"*) exit 1;; esac\n'
         'for a; do [ "$prev" = --json ] && echo {} > "$a"; prev=$a; done\necho 9.0\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
-           "PYTHON": str(bin_dir / "python-stub"), "STEP_LIMIT_S": "2"}
+           "PYTHON": str(bin_dir / "python-stub"), **limits}
     result = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh")], env=env,
                             capture_output=True, text=True, timeout=120)
+    return result, calls.read_text(), {p.name: p for p in out.iterdir()}
+
+
+def test_gpu_check_goes_on_after_a_failing_step(tmp_path: Path) -> None:
+    # One device run must bring back every result it can: where the CUDA build fails and
+    # the CUDA tests hang, the CPU ops are built instead, the hang is cut at its time limit,
+    # the benchmarks still run, the summary names both failures, and $OUT holds no more
+    # files than a lent machine brings back (eight).
+    result, ran, files = run_gpu_check_on_stubs(tmp_path, STEP_LIMIT_S="2")
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     summary = ["gpu_check: FAILED: CUDA build (exit 1)",
                "gpu_check: FAILED: CUDA tests (timed out after 2 s)"]
     assert all(line in result.stdout.splitlines() for line in summary), result.stdout[-3000:]
-    ran = calls.read_text()
     assert "FORCE_CUDA= FORCE_CPU=1 setup.py -q build_ext --inplace" in ran
     assert "scripts/bench_tree_ops.py --device cuda --reqs 32" in ran
     assert "scripts/bench_tree_attention.py --json" in ran
     assert "scripts/bench_tree_attention.py --shape gpt-oss" in ran
-    files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and "gpu_check.log" in files, files
-    assert all(line in (out / "gpu_check.log").read_text() for line in summary)
+    assert all(line in files["gpu_check.log"].read_text() for line in summary)
+
+
+def test_gpu_check_ends_within_its_total_limit(tmp_path: Path) -> None:
+    # A lent machine runs one command of limited time: under TOTAL_LIMIT_S the hung CUDA
+    # tests get only what is left of the run (less the 15-s reserve), the steps after them
+    # are not run, and the summary, naming them, is written in time.
+    started = time.monotonic()
+    result, ran, files = run_gpu_check_on_stubs(tmp_path, TOTAL_LIMIT_S="40")
+    took = time.monotonic() - started
+    assert took < 40, (took, result.stdout[-3000:])
+    lines = result.stdout.splitlines()
+    timed_out = [line for line in lines if line.startswith("gpu_check: FAILED: CUDA tests")]
+    assert timed_out and int(timed_out[0].split("after ")[1].split()[0]) <= 25, lines
+    assert "gpu_check: FAILED: tree op timings, 1 requests (not run: TOTAL_LIMIT_S spent)" \
+        in lines, lines
+    assert "bench_tree_ops.py" not in ran and "bench_tree_attention.py" not in ran, ran
+    assert result.returncode == 2 + 5, lines  # the build, the tests, 5 steps not run
+    assert "gpu_check: results in" in files["gpu_check.log"].read_text()
 
 
 def test_cuda_headers_from_pip_where_the_toolkit_has_none(tmp_path: Path, monkeypatch) -> None:

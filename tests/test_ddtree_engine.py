@@ -18,13 +18,15 @@ MAX_TOKENS = 20
 
 
 def generate(tiny_models: Path, spec: dict | None, max_num_seqs: int = 8,
-             max_tokens: int = MAX_TOKENS, prompts: list[str] = PROMPTS):
+             max_tokens: int = MAX_TOKENS, prompts: list[str] = PROMPTS,
+             logprobs: int | None = None):
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
               seed=0, dtype="float32", max_num_seqs=max_num_seqs, disable_log_stats=False,
               speculative_config=spec)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=logprobs)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return outputs, llm
 
@@ -165,18 +167,20 @@ def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str],
 
 
 def oracle_for_target(pair: Path, monkeypatch, seed: int, prompts: list[str] = PROMPTS,
-                      max_tokens: int = MAX_TOKENS) -> dict[str, list]:
+                      max_tokens: int = MAX_TOKENS, logprobs: int | None = None) -> dict:
     """The target of ``pair`` alone, greedy (16 tokens past ``max_tokens``, for the oracle's
-    look-ahead), and the oracle drafter installed on its outputs, which are returned."""
+    look-ahead), and the oracle drafter installed on its outputs, which are returned (each
+    prompt's vLLM CompletionOutput, with ``logprobs`` if asked)."""
     from vllm_ddtree.runner import DDTreeProposer
 
-    outputs, llm = generate(pair, None, max_tokens=max_tokens + 16, prompts=prompts)
+    outputs, llm = generate(pair, None, max_tokens=max_tokens + 16, prompts=prompts,
+                            logprobs=logprobs)
     target = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
     prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in prompts}
     del llm
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(target, prompt_ids, seed=seed))
-    return target
+    return {o.prompt: o.outputs[0] for o in outputs}
 
 
 @pytest.mark.slow
@@ -519,12 +523,12 @@ def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path, mo
     windowed = oracle_for_target(pair, monkeypatch, seed=8)
     full, _ = generate(tiny_models, None, max_tokens=MAX_TOKENS)
     assert {o.prompt: list(o.outputs[0].token_ids) for o in full} != {
-        p: t[:MAX_TOKENS] for p, t in windowed.items()}  # the window matters
+        p: list(t.token_ids[:MAX_TOKENS]) for p, t in windowed.items()}  # the window matters
     outputs, llm = generate(pair, {"method": "ddtree", "model": str(pair / "drafter"),
                                    "tree_budget": 16})
     assert_scheduling(llm, scheduling)
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
-        p: t[:MAX_TOKENS] for p, t in windowed.items()}
+        p: list(t.token_ids[:MAX_TOKENS]) for p, t in windowed.items()}
     impls = attention_impls(llm, TreeAttentionCPUImpl)
     assert impls and all(i.sliding_window == 4 for i in impls)
     stats = ddtree_state(llm).stats()
@@ -584,7 +588,7 @@ def test_other_target_families_are_lossless(tiny_models: Path, tmp_path: Path, m
     outputs, llm = generate(pair, {"method": "ddtree", "model": str(pair / "drafter"),
                                    "tree_budget": 16})
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
-        p: t[:MAX_TOKENS] for p, t in target.items()}
+        p: list(t.token_ids[:MAX_TOKENS]) for p, t in target.items()}
     impls = attention_impls(llm, TreeAttentionCPUImpl)
     assert len(impls) == 4
     if family == "gpt-oss":
@@ -878,21 +882,32 @@ def cuda_tree_attn_on_cpu(monkeypatch):
     selector._cached_get_attn_backend.cache_clear()
 
 
+TREE_OPS = ("build_tree", "verify_tree", "compact_tree")
+
+
 @pytest.fixture
 def cuda_ops_on_the_emulator(monkeypatch, emulated_cuda_ops) -> dict[str, int]:
     """For one test, torch.ops.vllm_ddtree.* on CPU tensors run the CUDA ops' source
-    (csrc/cuda/tree_ops.cu) on tests/cuda_emulator; the calls are counted per op."""
+    (csrc/cuda/tree_ops.cu) on tests/cuda_emulator; the calls are counted per op, and
+    "deepest_move" is the deepest path position whose node compaction had to move."""
     import vllm_ddtree.ops  # noqa: F401  (registers the ops replaced here)
 
-    calls = dict.fromkeys(["build_tree", "verify_tree", "compact_tree"], 0)
+    calls = dict.fromkeys(TREE_OPS + ("deepest_move",), 0)
 
     def counted(name):
         def op(*args):
             calls[name] += 1
+            if name == "compact_tree":
+                accepted, num_accepted = args[4:6]
+                position = torch.arange(1, accepted.shape[1] + 1)
+                moved = (accepted > position) & (position <= num_accepted[:, None])
+                if moved.any():
+                    calls["deepest_move"] = max(calls["deepest_move"],
+                                                int(position[moved.any(dim=0)].max()))
             return getattr(emulated_cuda_ops, name)(*args)
         return op
 
-    for name in calls:
+    for name in TREE_OPS:
         monkeypatch.setattr(torch.ops.vllm_ddtree, name, counted(name))
     return calls
 
@@ -916,15 +931,27 @@ def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_pa
     cleanup_dist_env_and_memory()  # gpt-oss's experts need their own parallel group
     pair = tiny_models if family == "qwen3" else other_target_pair(tiny_models, tmp_path,
                                                                    family)
-    prompts, max_tokens = PROMPTS[:4], 12
+    # 24 tokens for Qwen3: enough later steps to read what deep moves wrote (a compaction
+    # planted to skip the path's 5th node passed at 12 tokens). The random gpt-oss barely
+    # reads its KV (its sinks take most of the attention): a plant skipping the 3rd node
+    # moved its logprobs by under 1e-5, one that never moves anything by 4e-4 (caught by
+    # the logprobs, not by the tokens), so longer runs buy little there.
+    prompts, max_tokens = PROMPTS[:4], 24 if family == "qwen3" else 12
     target = oracle_for_target(pair, monkeypatch, seed=11, prompts=prompts,
-                               max_tokens=max_tokens)
-    outputs, llm = generate(pair, {"method": "ddtree", "tree_budget": 8,
+                               max_tokens=max_tokens, logprobs=1)
+    outputs, llm = generate(pair, {"method": "ddtree", "tree_budget": 16,
                                    "model": str(pair / "drafter")},
-                            max_num_seqs=4, max_tokens=max_tokens, prompts=prompts)
+                            max_num_seqs=4, max_tokens=max_tokens, prompts=prompts, logprobs=1)
     assert_scheduling(llm, scheduling)
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
-        p: t[:max_tokens] for p, t in target.items()}
+        p: list(t.token_ids[:max_tokens]) for p, t in target.items()}
+    # Each token's logprob too (float32, within 1e-4): a KV entry the compaction left wrong
+    # shifts the later logprobs of its request even where it flips no greedy token.
+    for o in outputs:
+        want = target[o.prompt]
+        for j, (token, w, g) in enumerate(zip(want.token_ids, want.logprobs,
+                                              o.outputs[0].logprobs)):
+            assert abs(g[token].logprob - w[token].logprob) < 1e-4, (o.prompt, j)
     impls = attention_impls(llm, TreeAttentionImpl)
     assert len(impls) == 4
     if family == "gpt-oss":
@@ -932,4 +959,5 @@ def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_pa
         assert all(i.sinks is not None for i in impls)
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
-    assert min(cuda_ops_on_the_emulator.values()) > 0, cuda_ops_on_the_emulator
+    calls = cuda_ops_on_the_emulator
+    assert all(calls[name] > 0 for name in TREE_OPS) and calls["deepest_move"] >= 5, calls

@@ -3,6 +3,9 @@ rows land bit-identical in the slots right after the root; nothing else is touch
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -31,7 +34,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @st.composite
 def compact_cases(draw):
     return dict(seed=draw(st.integers(0, 2**32 - 1)), num_reqs=draw(st.integers(1, 5)),
-                depth=draw(st.integers(1, 8)), budget=draw(st.sampled_from([1, 3, 8, 20, 40])),
+                depth=draw(st.integers(1, 16)),
+                budget=draw(st.sampled_from([1, 3, 8, 20, 40, 64])),
+                walked=draw(st.booleans()),  # else any increasing paths, deep ones common
                 block_size=draw(st.sampled_from([16, 32])),
                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16,
                                             torch.float8_e4m3fn])),
@@ -42,14 +47,20 @@ def compact_cases(draw):
 
 def compact_inputs(case: dict) -> dict:
     """Caches, hidden rows and a verify step's bookkeeping for a random batch: tree requests
-    with accepted paths from real build + verify, mixed with requests without a tree."""
+    with accepted paths, mixed with requests without a tree. Paths are walked (real build +
+    verify), or with case["walked"] false any increasing node indices (all compaction
+    relies on: parents precede children), which move nodes from every path position; walks
+    on random trees seldom accept deeper than 4 off the index line."""
     gen = torch.Generator().manual_seed(case["seed"])
     R, depth = case["num_reqs"], case["depth"]
     B = min(case["budget"], sum(8 ** d for d in range(1, depth + 1)))
-    roots, logprobs, ids = random_topk(case["seed"], R, depth, 8, 8, ties=False)
-    trees = ops.build_tree(roots, logprobs, ids, B, spine=False)
-    verdict = ops.verify_tree(trees, follow_choices(trees, case["seed"], case["p_follow"]),
-                              depth)
+    if case["walked"]:
+        roots, logprobs, ids = random_topk(case["seed"], R, depth, 8, 8, ties=False)
+        trees = ops.build_tree(roots, logprobs, ids, B, spine=False)
+        verdict = ops.verify_tree(trees, follow_choices(trees, case["seed"], case["p_follow"]),
+                                  depth)
+    else:
+        verdict = increasing_paths(gen, R, depth, B)
     lens = [B + 1] * R + [int(torch.randint(1, 9, (), generator=gen))
                           for _ in range(case["plain"])]
     order = torch.randperm(len(lens), generator=gen).tolist()
@@ -66,6 +77,21 @@ def compact_inputs(case: dict) -> dict:
         accepted=torch.cat([verdict.accepted, pad])[order],
         num_accepted=torch.cat([verdict.num_accepted,
                                 torch.zeros(case["plain"], dtype=torch.int32)])[order])
+
+
+def increasing_paths(gen: torch.Generator, num_reqs: int, depth: int, budget: int) -> Any:
+    """Accepted paths of num_reqs requests as verify_tree gives them (node indices padded
+    with -1 to `depth`, and counts): each a random increasing run of indices in 1..budget,
+    the first request's as long as can be (min(depth, budget)), the others' of any length
+    up to that."""
+    accepted = torch.full((num_reqs, depth), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(num_reqs, dtype=torch.int32)
+    longest = min(depth, budget)
+    for r in range(num_reqs):
+        n = longest if r == 0 else int(torch.randint(0, longest + 1, (), generator=gen))
+        nodes = torch.randperm(budget, generator=gen)[:n].sort().values + 1
+        accepted[r, :n], num_accepted[r] = nodes, n
+    return SimpleNamespace(accepted=accepted, num_accepted=num_accepted)
 
 
 def step_args(inputs: dict) -> list[torch.Tensor]:

@@ -50,7 +50,7 @@ def compact_inputs(case: dict) -> dict:
     with accepted paths, mixed with requests without a tree. Paths are walked (real build +
     verify), or with case["walked"] false any increasing node indices (all compaction
     relies on: parents precede children), which move nodes from every path position; walks
-    on random trees seldom accept deeper than 4 off the index line."""
+    on these random trees seldom move one from deeper than position 4."""
     gen = torch.Generator().manual_seed(case["seed"])
     R, depth = case["num_reqs"], case["depth"]
     B = min(case["budget"], sum(8 ** d for d in range(1, depth + 1)))

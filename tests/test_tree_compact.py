@@ -3,9 +3,6 @@ rows land bit-identical in the slots right after the root; nothing else is touch
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,8 +56,9 @@ def compact_inputs(case: dict) -> dict:
         trees = ops.build_tree(roots, logprobs, ids, B, spine=False)
         verdict = ops.verify_tree(trees, follow_choices(trees, case["seed"], case["p_follow"]),
                                   depth)
+        accepted, num_accepted = verdict.accepted, verdict.num_accepted
     else:
-        verdict = increasing_paths(gen, R, depth, B)
+        accepted, num_accepted = increasing_paths(gen, R, depth, B)
     lens = [B + 1] * R + [int(torch.randint(1, 9, (), generator=gen))
                           for _ in range(case["plain"])]
     order = torch.randperm(len(lens), generator=gen).tolist()
@@ -74,12 +72,13 @@ def compact_inputs(case: dict) -> dict:
         hidden_states=torch.randn(total, 24, generator=gen).to(torch.bfloat16),
         slot_mapping=torch.randperm(num_blocks * bs, generator=gen)[:total],
         query_start_loc=torch.tensor([0] + [lens[i] for i in order]).cumsum(0).to(torch.int32),
-        accepted=torch.cat([verdict.accepted, pad])[order],
-        num_accepted=torch.cat([verdict.num_accepted,
+        accepted=torch.cat([accepted, pad])[order],
+        num_accepted=torch.cat([num_accepted,
                                 torch.zeros(case["plain"], dtype=torch.int32)])[order])
 
 
-def increasing_paths(gen: torch.Generator, num_reqs: int, depth: int, budget: int) -> Any:
+def increasing_paths(gen: torch.Generator, num_reqs: int, depth: int, budget: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accepted paths of num_reqs requests as verify_tree gives them (node indices padded
     with -1 to `depth`, and counts): each a random increasing run of indices in 1..budget,
     the first request's as long as can be (min(depth, budget)), the others' of any length
@@ -91,7 +90,7 @@ def increasing_paths(gen: torch.Generator, num_reqs: int, depth: int, budget: in
         n = longest if r == 0 else int(torch.randint(0, longest + 1, (), generator=gen))
         nodes = torch.randperm(budget, generator=gen)[:n].sort().values + 1
         accepted[r, :n], num_accepted[r] = nodes, n
-    return SimpleNamespace(accepted=accepted, num_accepted=num_accepted)
+    return accepted, num_accepted
 
 
 def step_args(inputs: dict) -> list[torch.Tensor]:

@@ -74,7 +74,12 @@ main() {
     'import torch, vllm_ddtree.ops; print(torch.ops.vllm_ddtree.build_tree.default)'
 
   step "CUDA tests"
-  check "CUDA tests" 240 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
+  # In 8 processes where pytest-xdist is installed (the lent machines have it): the
+  # property cases' generation and CPU oracles are host work, and the GPU has room for all.
+  parallel=()
+  "$PY" -c 'import xdist' 2>/dev/null && parallel=(-n 8)
+  check "CUDA tests" 240 "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
+    "${parallel[@]}" tests/cuda
 
   step "tree op timings (CUDA events, median)"
   for reqs in 1 8 32; do

@@ -98,7 +98,7 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
     causal_index = torch.full_like(tree_index, -1)
     sinks = torch.linspace(-1.0, 2.0, heads, device=dev).to(dtype) if shape.sinks else None
 
-    def run(index, config=(BLOCK_M, TILE_N, 1, NUM_WARPS), window=shape.window):
+    def run(index, config=(BLOCK_M, TILE_N, None, NUM_WARPS), window=shape.window):
         block_m, tile_n, splits, warps = config
         return lambda: tree_attention(query, key_cache, value_cache, out, block_table,
                                       seq_lens, qsl, index, ancestor_mask,
@@ -154,10 +154,12 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
     return row
 
 
-def config_name(config: tuple[int, int, int, int]) -> str:
-    """block_m x tile_n, then the split count and the warps where not the default."""
+def config_name(config: tuple[int, int, int | None, int]) -> str:
+    """block_m x tile_n, then the split count (None: auto_splits's) and the warps where not
+    the default."""
     m, n, splits, warps = config
-    return (f"{m}x{n}" + (f"/{splits} splits" if splits > 1 else "")
+    return (f"{m}x{n}" + ("/auto splits" if splits is None else
+                          f"/{splits} splits" if splits > 1 else "")
             + (f"/{warps} warps" if warps != NUM_WARPS else ""))
 
 
@@ -181,7 +183,7 @@ def main() -> None:
         ", sinks" if shape.sinks else "")
     print(f"tree vs causal attention, {args.shape} ({name}, bf16, {shape.heads} heads, "
           f"{shape.kv_heads} KV heads, head {shape.head_size}, page {PAGE}{extras}; median "
-          f"ms; kernel {config_name((BLOCK_M, TILE_N, 1, NUM_WARPS))} = rows (query token x "
+          f"ms; kernel {config_name((BLOCK_M, TILE_N, None, NUM_WARPS))} = rows (query token x "
           f"head) x keys per step)\n")
     last = (["tree, every key read (no window)"] if shape.window is not None else
             ["best config", "tree, best config"])

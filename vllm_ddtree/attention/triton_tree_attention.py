@@ -23,6 +23,7 @@ its inputs live in persistent buffers.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,15 +33,39 @@ import triton.language as tl
 BLOCK_M = 16  # rows (query token, query head) per program
 TILE_N = 32  # keys per loop step, across page boundaries (vLLM's Triton prefill tile)
 NUM_WARPS = 4  # Triton's default
+# Key splits chosen when the caller names none: enough programs for about this many per
+# multiprocessor (few requests over long contexts otherwise leave most of the GPU idle).
+PROGRAMS_PER_SM = 4
+MAX_AUTO_SPLITS = 8
 # Configurations (block_m, tile_n, num_splits, num_warps) that scripts/bench_tree_attention.py
-# times beside the default, and scripts/check_triton_compile.py compiles. With 8 warps the
-# default tile takes about 185 registers per thread on sm_90 instead of about 250.
-SWEPT_CONFIGS = [(16, 16, 1, 4), (16, 64, 1, 4), (32, 32, 1, 4), (64, 32, 1, 4),
-                 (64, 64, 1, 4), (BLOCK_M, TILE_N, 2, 4), (BLOCK_M, TILE_N, 4, 4),
-                 (BLOCK_M, TILE_N, 8, 4), (BLOCK_M, TILE_N, 1, 8), (32, 32, 1, 8)]
+# times beside the default, and scripts/check_triton_compile.py compiles.
+SWEPT_CONFIGS = [(16, 32, 1, 4), (16, 64, 1, 4), (32, 32, 1, 4), (32, 64, 1, 4),
+                 (64, 32, 1, 4), (64, 64, 1, 4), (64, 64, 1, 8), (128, 64, 1, 8),
+                 (16, 32, 2, 4), (16, 32, 4, 4), (16, 32, 8, 4), (64, 64, 2, 4), (64, 64, 4, 4)]
 # Triton's CPU interpreter computes bf16/fp16 tl.dot wrongly (seen with Triton 3.9): there the
 # operands go to fp32 first. On a GPU the dots run in the cache's dtype.
 _UPCAST_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, allowed, qk_scale,
+                         MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile into the running max, sum and output of each row, in base 2 (the scale
+    carries log2(e)). Unmasked tiles (every row sees every key) skip the -inf guards."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale
+    if MASKED:
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:  # a row may see no key of a split's range yet: keep exp2() off -inf - -inf
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    alpha = tl.exp2(m_i - m_new_safe)
+    p = tl.exp2(s - m_new_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                        input_precision=DOT_PRECISION).to(tl.float32)
+    return m_new, l_i, acc
 
 
 # num_reqs changes from step to step: specializing it (== 1, multiple of 16) would compile
@@ -77,6 +102,8 @@ def _tree_attention_kernel(
     q_len = tl.load(query_start_loc + r + 1) - q_start
     tile = pid - (q_start // BLOCK_Q + r)
     if tile * BLOCK_Q < q_len:
+        LOG2E: tl.constexpr = 1.4426950408889634
+        qk_scale = scale * LOG2E  # scores in base 2: exp2 below
         ctx = tl.load(seq_lens + r) - q_len
         tree = tl.load(tree_index + r)
         rows = tl.arange(0, BLOCK_M)
@@ -87,11 +114,13 @@ def _tree_attention_kernel(
         d_ok = offs_d < head_size
         q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh
                     + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST_DOTS:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         if HAS_SINKS:  # the sink is a logit every row starts from (in one split only)
             first = (tl.zeros([BLOCK_M], tl.int32) + split) == 0
-            m_i = tl.where(first, tl.load(sinks + head).to(tl.float32), m_i)
+            m_i = tl.where(first, tl.load(sinks + head).to(tl.float32) * LOG2E, m_i)
             l_i = tl.where(first, 1.0, l_i)
         acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
         kv_end = ctx + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
@@ -100,6 +129,8 @@ def _tree_attention_kernel(
         head_k = kv_head.to(tl.int64) * stride_kh
         head_v = kv_head.to(tl.int64) * stride_vh
         kv_begin = 0
+        q_off = offs_m
+        depth_row = depths
         if HAS_WINDOW:
             # Query offsets from ctx: a tree node's depth, else its index. The lowest one
             # bounds the keys any row can see (a tree's root is at depth 0).
@@ -113,10 +144,32 @@ def _tree_attention_kernel(
             per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, TILE_N), NUM_SPLITS) * TILE_N
             kv_begin = kv_begin + split * per_split
             kv_end = tl.minimum(kv_end, kv_begin + per_split)
-        for tile_start in range(kv_begin, kv_end, TILE_N):
+        # Two loops: tiles wholly inside the committed context, which every row sees (but
+        # for a window), with no mask work; then the rest, the new keys' masks applied.
+        ctx_end = kv_begin + tl.maximum(tl.minimum(ctx, kv_end) - kv_begin, 0) // TILE_N * TILE_N
+        d_only = d_ok[None, :] & (tl.zeros([TILE_N], tl.int32) == 0)[:, None]
+        for tile_start in range(kv_begin, ctx_end, TILE_N):
+            offs_n = tile_start + tl.arange(0, TILE_N)
+            # A tile may span pages. Offsets in int64: a large cache has over 2**31 elements.
+            block = tl.load(block_table + r * stride_bt + offs_n // PAGE).to(tl.int64)
+            slot = (offs_n % PAGE)[:, None]
+            k = tl.load(K + block[:, None] * stride_kb + slot * stride_kn + head_k
+                        + offs_d[None, :], mask=d_only, other=0.0)
+            v = tl.load(V + block[:, None] * stride_vb + slot * stride_vn + head_v
+                        + offs_d[None, :], mask=d_only, other=0.0)
+            if UPCAST_DOTS:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if HAS_WINDOW:  # context keys sit at their index (negative offsets from ctx)
+                seen = (q_off[:, None] - (offs_n - ctx)[None, :]) < window
+                m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, seen, qk_scale,
+                                                     True, DOT_PRECISION)
+            else:
+                m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, None, qk_scale,
+                                                     False, DOT_PRECISION)
+        for tile_start in range(ctx_end, kv_end, TILE_N):
             offs_n = tile_start + tl.arange(0, TILE_N)
             n_ok = offs_n < kv_end
-            # A tile may span pages. Offsets in int64: a large cache has over 2**31 elements.
             block = tl.load(block_table + r * stride_bt + offs_n // PAGE, mask=n_ok,
                             other=0).to(tl.int64)
             slot = (offs_n % PAGE)[:, None]
@@ -128,8 +181,6 @@ def _tree_attention_kernel(
             if UPCAST_DOTS:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-                q = q.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
             new = offs_n - ctx  # index among this step's tokens (negative: context)
             in_new = (new >= 0)[None, :] & row_ok[:, None] & n_ok[None, :]
             causal = new[None, :] <= offs_m[:, None]
@@ -146,25 +197,18 @@ def _tree_attention_kernel(
                 allowed = allowed & ((q_off[:, None] - k_off[None, :]) < window)
             # Padding rows see everything (their output is never stored): no NaN from -inf.
             allowed = allowed | ~row_ok[:, None]
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row may see no key of a split's range yet: keep exp() off -inf - -inf.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                                input_precision=DOT_PRECISION).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, allowed, qk_scale,
+                                                 True, DOT_PRECISION)
         store_mask = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
             out = acc / l_i[:, None]
             tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
                      + offs_d[None, :], out.to(Out.dtype.element_ty), mask=store_mask)
-        else:  # this split's normalized output and log-sum-exp, merged by _merge_splits
+        else:  # this split's normalized output and (natural) log-sum-exp, for _merge_splits
             seen = l_i > 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
-            lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+            lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E,
+                           float("-inf"))
             row = (q_start + offs_m).to(tl.int64) * num_heads + head
             tl.store(Part + split * stride_ps + row[:, None] * HEAD + offs_d[None, :], out,
                      mask=store_mask)
@@ -188,6 +232,25 @@ def _merge_splits(Part, PartLse, Out, stride_ps, stride_ls, stride_ot, stride_oh
              out.to(Out.dtype.element_ty), mask=d_ok)
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_splits(programs: int, device: torch.device) -> int:
+    """Key splits for a launch of ``programs`` programs (query tiles x KV heads): the
+    largest power of 2, at most MAX_AUTO_SPLITS, that keeps programs x splits within
+    PROGRAMS_PER_SM per multiprocessor; 1 off CUDA. Shapes only: no host sync, and a
+    captured graph's launch stays valid."""
+    if device.type != "cuda":
+        return 1
+    want = PROGRAMS_PER_SM * _multiprocessors(device) // max(programs, 1)
+    splits = 1
+    while splits * 2 <= min(want, MAX_AUTO_SPLITS):
+        splits *= 2
+    return splits
+
+
 def tree_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
@@ -204,14 +267,15 @@ def tree_attention(
     depths: torch.Tensor | None = None,  # int32 [num_trees, num_nodes]: with a window
     block_m: int = BLOCK_M,
     tile_n: int = TILE_N,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Causal attention for plain requests and tree attention for tree requests, one launch.
     Tile sizes (powers of 2, at least 16): block_m rows of (query token, query head) sharing
     a KV head (at least that many heads), tile_n keys per step. num_splits > 1 (a power of
     2) splits each request's keys across that many programs, whose partial results a second
-    launch merges: more parallelism when few requests face long contexts. num_warps: the
+    launch merges: more parallelism when few requests face long contexts (None: chosen from
+    the grid's size, see auto_splits). num_warps: the
     main kernel's warps per program. sliding_window: vLLM's window of a layer (positions a
     query sees, its own included; None: all); it needs the trees' ``depths``."""
     num_tokens, num_heads, head_size = query.shape
@@ -226,6 +290,12 @@ def tree_attention(
         if tile < 16 or tile & (tile - 1):  # tl.dot needs 16 (the interpreter does not)
             raise ValueError(f"tree_attention: argument '{name}' must be a power of 2 of at "
                              f"least 16, got {tile}")
+    queries_per_kv = num_heads // num_kv_heads
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    block_q = block_m // queries_per_kv
+    programs = (triton.cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads
+    if num_splits is None:
+        num_splits = auto_splits(programs, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"tree_attention: argument 'num_splits' must be a power of 2, got "
                          f"{num_splits}")
@@ -241,16 +311,13 @@ def tree_attention(
         ancestor_mask = ancestor_mask.new_zeros(1, 1, 1)
     if depths is None or depths.numel() == 0:
         depths = ancestor_mask.new_zeros(1, 1)
-    queries_per_kv = num_heads // num_kv_heads
-    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
-    block_q = block_m // queries_per_kv
     head = triton.next_power_of_2(head_size)
     if num_splits > 1:
         part = query.new_empty(num_splits, num_tokens * num_heads, head, dtype=torch.float32)
         part_lse = query.new_empty(num_splits, num_tokens * num_heads, dtype=torch.float32)
     else:  # unused
         part = part_lse = query.new_empty(1, 1, dtype=torch.float32)
-    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads, num_splits)
+    grid = (programs // num_kv_heads, num_kv_heads, num_splits)
     _tree_attention_kernel[grid](
         query, key_cache, value_cache, out, part, part_lse, block_table, seq_lens,
         query_start_loc, tree_index, ancestor_mask, depths,

@@ -34,6 +34,8 @@ from vllm_ddtree import ops
 from vllm_ddtree.attention.triton_tree_attention import (
     BLOCK_M,
     NUM_WARPS,
+    SMALL_BLOCK_M,
+    SMALL_TILE_N,
     SWEPT_CONFIGS,
     TILE_N,
     tree_attention,
@@ -98,7 +100,7 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
     causal_index = torch.full_like(tree_index, -1)
     sinks = torch.linspace(-1.0, 2.0, heads, device=dev).to(dtype) if shape.sinks else None
 
-    def run(index, config=(BLOCK_M, TILE_N, None, NUM_WARPS), window=shape.window):
+    def run(index, config=(None, None, None, NUM_WARPS), window=shape.window):
         block_m, tile_n, splits, warps = config
         return lambda: tree_attention(query, key_cache, value_cache, out, block_table,
                                       seq_lens, qsl, index, ancestor_mask,
@@ -154,6 +156,13 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
     return row
 
 
+def default_config(shape: Shape) -> tuple[int, int, int | None, int]:
+    """What tree_attention launches when given no tiles or splits (None: auto_splits)."""
+    if shape.window is not None:
+        return SMALL_BLOCK_M, SMALL_TILE_N, 1, NUM_WARPS
+    return BLOCK_M, TILE_N, None, NUM_WARPS
+
+
 def config_name(config: tuple[int, int, int | None, int]) -> str:
     """block_m x tile_n, then the split count (None: auto_splits's) and the warps where not
     the default."""
@@ -183,7 +192,7 @@ def main() -> None:
         ", sinks" if shape.sinks else "")
     print(f"tree vs causal attention, {args.shape} ({name}, bf16, {shape.heads} heads, "
           f"{shape.kv_heads} KV heads, head {shape.head_size}, page {PAGE}{extras}; median "
-          f"ms; kernel {config_name((BLOCK_M, TILE_N, None, NUM_WARPS))} = rows (query token x "
+          f"ms; kernel {config_name(default_config(shape))} = rows (query token x "
           f"head) x keys per step)\n")
     last = (["tree, every key read (no window)"] if shape.window is not None else
             ["best config", "tree, best config"])

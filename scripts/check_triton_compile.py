@@ -73,7 +73,7 @@ def caught_launches(module, *names: str) -> Iterator[list]:
 
 
 def tree_attention_launches() -> list:
-    """The attention launches of the backend (16 x 32 tiles, no splits) and of the
+    """The attention launches of the backend (its default tiles, no splits) and of the
     benchmark's sweep, over dtypes, head sizes, GQA ratios and page sizes; and gpt-oss's
     layers (a sliding window and sinks, or sinks alone), split or not."""
     from vllm_ddtree.attention import triton_tree_attention as tta
@@ -81,12 +81,12 @@ def tree_attention_launches() -> list:
     cases = [(dtype, head, qpk, page, config, None, False)
              for dtype, head, qpk, page in itertools.product(
                  (torch.float16, torch.bfloat16, torch.float32), (64, 128), (1, 4, 8), (16, 32))
-             for config in [(tta.BLOCK_M, tta.TILE_N, 1, tta.NUM_WARPS)]]
-    cases += [(torch.bfloat16, head, qpk, 16, (16, 32, 1, 4), None, False)
+             for config in [(None, None, 1, tta.NUM_WARPS)]]  # the backend's own tiles
+    cases += [(torch.bfloat16, head, qpk, 16, (None, None, 1, tta.NUM_WARPS), None, False)
               for head, qpk in [(32, 1), (96, 2), (256, 1), (256, 8), (128, 32)]]
-    cases += [(torch.bfloat16, 128, qpk, 16, config, None, False)
-              for qpk, config in itertools.product((1, 8), tta.SWEPT_CONFIGS)]
-    cases += [(dtype, 64, 8, 16, (tta.BLOCK_M, tta.TILE_N, splits, tta.NUM_WARPS), window,
+    cases += [(torch.bfloat16, 128, 4, 16, config, None, False)  # the sweep's shape: Qwen3-8B's
+              for config in tta.SWEPT_CONFIGS]
+    cases += [(dtype, 64, 8, 16, (None, None, splits, tta.NUM_WARPS), window,
                True) for dtype, splits, window in itertools.product(
                    (torch.bfloat16, torch.float16), (1, 4), (128, None))]
     with caught_launches(tta, "_tree_attention_kernel", "_merge_splits") as launches:

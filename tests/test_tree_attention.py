@@ -16,6 +16,7 @@ import pytest
 import torch
 from attention_cases import SHAPES, dense_reference, make_batch
 
+from vllm_ddtree.attention import triton_tree_attention as tta
 from vllm_ddtree.attention.torch_tree_attention import tree_attention_torch
 from vllm_ddtree.attention.triton_tree_attention import SWEPT_CONFIGS, tree_attention
 
@@ -223,6 +224,35 @@ def test_rejects_bad_tiles_and_split_counts(kwargs, message) -> None:
                        torch.empty_like(batch.query), batch.block_table, batch.seq_lens,
                        batch.query_start_loc, batch.tree_index, batch.ancestor_mask,
                        batch.scale, **{"depths": batch.depths, **kwargs})
+
+
+def test_auto_splits_fill_the_gpu_from_shapes_alone(monkeypatch) -> None:
+    # 132 multiprocessors (an H200) and 4 programs each: few programs are split (at most 4
+    # ways), a full grid is not, and off CUDA nothing is.
+    monkeypatch.setattr(tta, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert [tta.auto_splits(p, cuda) for p in (1, 24, 144, 264, 265, 600)] == [4, 4, 2, 2, 1, 1]
+    assert tta.auto_splits(24, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("dtype, window, tiles", [
+    (torch.bfloat16, None, (tta.BLOCK_M, tta.TILE_N)),
+    (torch.bfloat16, 8, (tta.SMALL_BLOCK_M, tta.SMALL_TILE_N)),
+    (torch.float32, None, (tta.SMALL_BLOCK_M, tta.SMALL_TILE_N)),
+])
+def test_default_tiles(monkeypatch, dtype, window, tiles) -> None:
+    # The launch the backend makes (no tiles named): 64 x 64, but 16 x 32 for a windowed
+    # layer or fp32 (see the module's constants for the measurements behind them).
+    launches = []
+    monkeypatch.setattr(tta, "_tree_attention_kernel", type("Recorder", (), {
+        "__getitem__": lambda self, grid: lambda *args, **kw: launches.append(kw)})())
+    batch = make_batch(0, ["chain"], 4, [3], 4, 2, 32, 16, dtype)
+    tree_attention(batch.query, batch.key_cache, batch.value_cache,
+                   torch.empty_like(batch.query), batch.block_table, batch.seq_lens,
+                   batch.query_start_loc, batch.tree_index, batch.ancestor_mask, batch.scale,
+                   sliding_window=window, depths=batch.depths)
+    (launch,) = launches
+    assert (launch["BLOCK_M"], launch["TILE_N"], launch["NUM_SPLITS"]) == (*tiles, 1)
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))

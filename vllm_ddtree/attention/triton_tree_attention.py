@@ -35,9 +35,15 @@ import triton.language as tl
 # faster than 16 x 32 (scripts/bench_tree_attention.py, README).
 BLOCK_M = 64  # rows (query token, query head) per program
 TILE_N = 64  # keys per loop step, across page boundaries
+# Smaller tiles where 64 x 64 does not pay: with a sliding window a query reads few keys
+# (on gpt-oss's windowed layers 16 x 32, unsplit, was as fast or faster than 64 x 64 with
+# auto splits at every measured size); in fp32 (IEEE dots on the FMA units) 64 x 64 spills
+# 3-10 KiB of stack per thread (scripts/check_triton_compile.py; not timed on a GPU).
+SMALL_BLOCK_M, SMALL_TILE_N = 16, 32
 NUM_WARPS = 4  # Triton's default; 8 was slower at every swept size
-# Key splits chosen when the caller names none: enough programs for about this many per
-# multiprocessor (few requests over long contexts otherwise leave most of the GPU idle).
+# Key splits chosen when the caller names none (never with a window): enough programs for
+# about this many per multiprocessor (few requests over long contexts otherwise leave most
+# of the GPU idle).
 PROGRAMS_PER_SM = 4
 MAX_AUTO_SPLITS = 4  # the most measured with 64 x 64 tiles
 # Configurations (block_m, tile_n, num_splits, num_warps) that scripts/bench_tree_attention.py
@@ -268,17 +274,18 @@ def tree_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]: one logit per query head
     depths: torch.Tensor | None = None,  # int32 [num_trees, num_nodes]: with a window
-    block_m: int = BLOCK_M,
-    tile_n: int = TILE_N,
+    block_m: int | None = None,
+    tile_n: int | None = None,
     num_splits: int | None = None,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Causal attention for plain requests and tree attention for tree requests, one launch.
-    Tile sizes (powers of 2, at least 16): block_m rows of (query token, query head) sharing
-    a KV head (at least that many heads), tile_n keys per step. num_splits > 1 (a power of
-    2) splits each request's keys across that many programs, whose partial results a second
-    launch merges: more parallelism when few requests face long contexts (None: chosen from
-    the grid's size, see auto_splits). num_warps: the
+    Tile sizes (powers of 2, at least 16; None: BLOCK_M x TILE_N, or SMALL_BLOCK_M x
+    SMALL_TILE_N with a sliding window or in fp32): block_m rows of (query token, query
+    head) sharing a KV head (at least that many heads), tile_n keys per step. num_splits > 1
+    (a power of 2) splits each request's keys across that many programs, whose partial
+    results a second launch merges: more parallelism when few requests face long contexts
+    (None: chosen from the grid's size, see auto_splits; 1 with a window). num_warps: the
     main kernel's warps per program. sliding_window: vLLM's window of a layer (positions a
     query sees, its own included; None: all); it needs the trees' ``depths``."""
     num_tokens, num_heads, head_size = query.shape
@@ -289,6 +296,12 @@ def tree_attention(
                          f"multiple of the cache's {num_kv_heads} KV heads")
     if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("tree_attention: head_size must be the innermost, contiguous dim")
+    windowed = sliding_window is not None
+    small = windowed or query.dtype == torch.float32
+    if block_m is None:
+        block_m = SMALL_BLOCK_M if small else BLOCK_M
+    if tile_n is None:
+        tile_n = SMALL_TILE_N if small else TILE_N
     for name, tile in (("block_m", block_m), ("tile_n", tile_n)):
         if tile < 16 or tile & (tile - 1):  # tl.dot needs 16 (the interpreter does not)
             raise ValueError(f"tree_attention: argument '{name}' must be a power of 2 of at "
@@ -298,7 +311,7 @@ def tree_attention(
     block_q = block_m // queries_per_kv
     programs = (triton.cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads
     if num_splits is None:
-        num_splits = auto_splits(programs, query.device)
+        num_splits = 1 if windowed else auto_splits(programs, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"tree_attention: argument 'num_splits' must be a power of 2, got "
                          f"{num_splits}")

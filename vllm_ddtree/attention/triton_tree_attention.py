@@ -155,6 +155,8 @@ def _tree_attention_kernel(
             kv_end = tl.minimum(kv_end, kv_begin + per_split)
         # Two loops: tiles wholly inside the committed context, which every row sees (but
         # for a window), with no mask work; then the rest, the new keys' masks applied.
+        # Their loads are written out in each: folded into one jit helper, the measured
+        # 64 x 64 launch compiled to 1448 B of spills per thread on sm_90 instead of 1016.
         ctx_end = kv_begin + tl.maximum(tl.minimum(ctx, kv_end) - kv_begin, 0) // TILE_N * TILE_N
         d_only = d_ok[None, :] & (tl.zeros([TILE_N], tl.int32) == 0)[:, None]
         for tile_start in range(kv_begin, ctx_end, TILE_N):

@@ -32,12 +32,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention.triton_tree_attention import (
-    BLOCK_M,
     NUM_WARPS,
-    SMALL_BLOCK_M,
-    SMALL_TILE_N,
     SWEPT_CONFIGS,
-    TILE_N,
+    default_launch,
     tree_attention,
 )
 
@@ -156,13 +153,6 @@ def bench(shape: Shape, budget: int, num_reqs: int, context: int, repeats: int,
     return row
 
 
-def default_config(shape: Shape) -> tuple[int, int, int | None, int]:
-    """What tree_attention launches when given no tiles or splits (None: auto_splits)."""
-    if shape.window is not None:
-        return SMALL_BLOCK_M, SMALL_TILE_N, 1, NUM_WARPS
-    return BLOCK_M, TILE_N, None, NUM_WARPS
-
-
 def config_name(config: tuple[int, int, int | None, int]) -> str:
     """block_m x tile_n, then the split count (None: auto_splits's) and the warps where not
     the default."""
@@ -190,9 +180,10 @@ def main() -> None:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU, Triton interpreter"
     extras = (f", window {shape.window}" if shape.window else "") + (
         ", sinks" if shape.sinks else "")
+    default = (*default_launch(torch.bfloat16, shape.window is not None), NUM_WARPS)
     print(f"tree vs causal attention, {args.shape} ({name}, bf16, {shape.heads} heads, "
           f"{shape.kv_heads} KV heads, head {shape.head_size}, page {PAGE}{extras}; median "
-          f"ms; kernel {config_name(default_config(shape))} = rows (query token x "
+          f"ms; kernel {config_name(default)} = rows (query token x "
           f"head) x keys per step)\n")
     last = (["tree, every key read (no window)"] if shape.window is not None else
             ["best config", "tree, best config"])

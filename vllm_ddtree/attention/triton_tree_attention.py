@@ -138,8 +138,6 @@ def _tree_attention_kernel(
         head_k = kv_head.to(tl.int64) * stride_kh
         head_v = kv_head.to(tl.int64) * stride_vh
         kv_begin = 0
-        q_off = offs_m
-        depth_row = depths
         if HAS_WINDOW:
             # Query offsets from ctx: a tree node's depth, else its index. The lowest one
             # bounds the keys any row can see (a tree's root is at depth 0).
@@ -248,6 +246,16 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def default_launch(dtype: torch.dtype, windowed: bool) -> tuple[int, int, int | None]:
+    """(block_m, tile_n, num_splits) of a launch that names none; num_splits None: from
+    the grid's size (auto_splits)."""
+    if windowed:
+        return SMALL_BLOCK_M, SMALL_TILE_N, 1
+    if dtype == torch.float32:
+        return SMALL_BLOCK_M, SMALL_TILE_N, None
+    return BLOCK_M, TILE_N, None
+
+
 def auto_splits(programs: int, device: torch.device) -> int:
     """Key splits for a launch of ``programs`` programs (query tiles x KV heads): the
     largest power of 2, at most MAX_AUTO_SPLITS, that keeps programs x splits within
@@ -282,14 +290,13 @@ def tree_attention(
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Causal attention for plain requests and tree attention for tree requests, one launch.
-    Tile sizes (powers of 2, at least 16; None: BLOCK_M x TILE_N, or SMALL_BLOCK_M x
-    SMALL_TILE_N with a sliding window or in fp32): block_m rows of (query token, query
-    head) sharing a KV head (at least that many heads), tile_n keys per step. num_splits > 1
-    (a power of 2) splits each request's keys across that many programs, whose partial
-    results a second launch merges: more parallelism when few requests face long contexts
-    (None: chosen from the grid's size, see auto_splits; 1 with a window). num_warps: the
-    main kernel's warps per program. sliding_window: vLLM's window of a layer (positions a
-    query sees, its own included; None: all); it needs the trees' ``depths``."""
+    Tile sizes (powers of 2, at least 16): block_m rows of (query token, query head)
+    sharing a KV head (at least that many heads), tile_n keys per step. num_splits > 1 (a
+    power of 2) splits each request's keys across that many programs, whose partial results
+    a second launch merges: more parallelism when few requests face long contexts. None:
+    default_launch's. num_warps: the main kernel's warps per program. sliding_window:
+    vLLM's window of a layer (positions a query sees, its own included; None: all); it
+    needs the trees' ``depths``."""
     num_tokens, num_heads, head_size = query.shape
     num_reqs = query_start_loc.shape[0] - 1
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -298,12 +305,10 @@ def tree_attention(
                          f"multiple of the cache's {num_kv_heads} KV heads")
     if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("tree_attention: head_size must be the innermost, contiguous dim")
-    windowed = sliding_window is not None
-    small = windowed or query.dtype == torch.float32
-    if block_m is None:
-        block_m = SMALL_BLOCK_M if small else BLOCK_M
-    if tile_n is None:
-        tile_n = SMALL_TILE_N if small else TILE_N
+    default_m, default_n, default_splits = default_launch(query.dtype,
+                                                          sliding_window is not None)
+    block_m = default_m if block_m is None else block_m
+    tile_n = default_n if tile_n is None else tile_n
     for name, tile in (("block_m", block_m), ("tile_n", tile_n)):
         if tile < 16 or tile & (tile - 1):  # tl.dot needs 16 (the interpreter does not)
             raise ValueError(f"tree_attention: argument '{name}' must be a power of 2 of at "
@@ -313,7 +318,7 @@ def tree_attention(
     block_q = block_m // queries_per_kv
     programs = (triton.cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads
     if num_splits is None:
-        num_splits = 1 if windowed else auto_splits(programs, query.device)
+        num_splits = default_splits or auto_splits(programs, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"tree_attention: argument 'num_splits' must be a power of 2, got "
                          f"{num_splits}")

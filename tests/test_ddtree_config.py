@@ -79,8 +79,9 @@ def test_drafter_reserves_its_block_not_the_tree(tiny_models: Path, budget) -> N
     ({"tree_spine": "maybe"}, {}, r"tree_spine\n  Input should be a valid boolean"),
     ({"rejection_sample_method": "block"}, {},
      r"speculative_config.rejection_sample_method is 'block': method 'ddtree' verifies"),
-    ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0}, {},
-     r"speculative_config.rejection_sample_method is 'synthetic'"),
+    # Synthetic acceptance (benchmarking) is accepted, its length per tree depth (7 here).
+    ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 9.0}, {},
+     r"speculative_config.synthetic_acceptance_length must be in \[1, 8\]"),
     ({"draft_sample_method": "probabilistic"}, {},
      r"speculative_config.draft_sample_method is 'probabilistic': method 'ddtree' builds"),
     ({}, {"logprobs_mode": "processed_logprobs"},

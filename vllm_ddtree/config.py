@@ -6,7 +6,8 @@ SpeculativeConfig carries ``method="dflash"`` plus ``tree_budget`` (the mark of 
 ``is_ddtree``), and every DFlash code path in vLLM sets the drafter up unchanged. What the
 user gives as ``num_speculative_tokens`` is the tree's depth (the drafter's mask positions,
 default block_size - 1); it moves to ``tree_depth``, and ``num_speculative_tokens`` becomes
-``tree_budget``: the number of draft tokens vLLM's scheduler schedules per step. Each error
+``tree_budget``: the number of draft tokens vLLM's scheduler schedules per step. vLLM's
+synthetic acceptance (a benchmarking mode) takes its rates per tree depth. Each error
 names the field at fault. The patches call in at three points (patches/0001, 0004).
 """
 
@@ -50,10 +51,12 @@ def resolve_speculative_config(spec: Any) -> None:
         raise ValueError(f"speculative_config.tree_spine must be true or false, got "
                          f"{spec.tree_spine!r}")
     # Chain verification settings that tree verification would ignore: refused, not dropped.
-    if spec.rejection_sample_method != "standard":
+    # "synthetic" (benchmarking only) is honoured per tree depth: see verify_drafter.
+    if spec.rejection_sample_method not in ("standard", "synthetic"):
         raise ValueError(f"speculative_config.rejection_sample_method is "
                          f"{spec.rejection_sample_method!r}: method 'ddtree' verifies its trees "
-                         f"by walking the target's choice at every node; leave it 'standard'")
+                         f"by walking the target's choice at every node; leave it 'standard' "
+                         f"(or 'synthetic', a benchmarking mode that ignores the target)")
     if spec.draft_sample_method != "greedy":
         raise ValueError(f"speculative_config.draft_sample_method is "
                          f"{spec.draft_sample_method!r}: method 'ddtree' builds its trees from "
@@ -79,6 +82,8 @@ def verify_drafter(spec: Any) -> None:
     # A tree of B nodes is at most B deep: the drafter need not draft further.
     spec.tree_depth = min(spec.num_speculative_tokens or depth, spec.tree_budget)
     spec.num_speculative_tokens = spec.tree_budget
+    if getattr(spec, "rejection_sample_method", "standard") == "synthetic":
+        _resolve_synthetic_rates(spec)
     target = spec.target_model_config
     if hf.vocab_size != target.get_vocab_size():
         raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
@@ -88,6 +93,31 @@ def verify_drafter(spec: Any) -> None:
         raise ValueError(f"speculative_config.method 'ddtree': the target {target.model!r} has "
                          f"recurrent (Mamba/GDN) layers, whose state cannot branch over a "
                          f"tree; use an attention-only target")
+
+
+def _resolve_synthetic_rates(spec: Any) -> None:
+    """Synthetic acceptance (benchmarking only, vllm_ddtree/synthetic.py): the user's rates
+    or mean length are per tree depth, checked by vLLM's own rules against tree_depth. vLLM
+    checks them again later against num_speculative_tokens (tree_budget by then), so it is
+    handed the per-depth rates padded with zeros to tree_budget (no path is deeper)."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    try:
+        rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(
+            spec.tree_depth, spec.synthetic_acceptance_rates, spec.synthetic_acceptance_length)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.{e} (method 'ddtree': one rate per tree depth, "
+                         f"tree_depth = {spec.tree_depth}; synthetic acceptance is a "
+                         f"benchmarking mode, never for serving)") from e
+    spec.synthetic_acceptance_rates = rates + [0.0] * (spec.tree_budget - spec.tree_depth)
+    spec.synthetic_acceptance_length = None
+
+
+def synthetic_rates_per_depth(spec: Any) -> list[float] | None:
+    """The unconditional acceptance rate per tree depth in synthetic mode, else None."""
+    if getattr(spec, "rejection_sample_method", "standard") != "synthetic":
+        return None
+    return list(spec.synthetic_acceptance_rates[:spec.tree_depth])
 
 
 # Set while the proposer derives the drafter's VllmConfig from the target's (a copy that

@@ -8,10 +8,12 @@ The runner patch (patches/0005) calls in at four points; everything else is here
    gather each request's tree (by request id: rows move between steps), write depth-aware
    positions in place, hand the trees to the attention backend;
 3. ``DDTreeState.verify`` instead of the rejection sampler: the target's choice at every
-   node (after allowed_token_ids and penalties), the walk (``verify_tree``), the emitted
-   tokens' logprobs, and the compaction of the accepted path's KV entries and hidden
-   states to the first slots/rows, so the scheduler's rollback (drafts - accepted) and
-   DFlash's context handling work as for a chain; chain positions are restored;
+   node (after allowed_token_ids and penalties; in vLLM's synthetic mode, a benchmarking
+   mode, overridden along a drawn path: vllm_ddtree/synthetic.py), the walk
+   (``verify_tree``), the emitted tokens' logprobs, and the compaction of the accepted
+   path's KV entries and hidden states to the first slots/rows, so the scheduler's
+   rollback (drafts - accepted) and DFlash's context handling work as for a chain; chain
+   positions are restored;
 4. ``DDTreeProposer._sample_draft_tokens``: the drafter's logits become trees (``build_tree``),
    or, where a step asks no more drafts than the spine holds, the greedy chain.
 
@@ -31,8 +33,9 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention import tree_batch
-from vllm_ddtree.config import deriving_drafter_config
+from vllm_ddtree.config import deriving_drafter_config, synthetic_rates_per_depth
 from vllm_ddtree.sampling import MinTokens, node_choices, process_node_logits
+from vllm_ddtree.synthetic import SyntheticAcceptance
 from vllm_ddtree.tree import DraftTrees
 
 
@@ -148,6 +151,10 @@ class DDTreeState:
         self._index_line = torch.arange(1, budget + 1, dtype=torch.int32, device=dev)
         self.last_verdict: ops.Verdict | None = None
         self._kv_groups: list | None = None
+        # rejection_sample_method "synthetic" (benchmarking only): drawn paths, not the
+        # target's, are accepted.
+        rates = synthetic_rates_per_depth(runner.vllm_config.speculative_config)
+        self.synthetic = None if rates is None else SyntheticAcceptance(rates, dev)
 
     def store(self, trees: DraftTrees | None, req_ids: list[str | None]) -> None:
         """Keep this step's trees (None: none drafted); a row whose id is None is not a
@@ -217,9 +224,13 @@ class DDTreeState:
         per_row = node_choices(processed, req, [1 + n for n in drafts], sampling_metadata)
         rows = first_row[:, None] + self.node
         choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)
+        first_child = step["first_child"]
+        if self.synthetic is not None:
+            choice, first_child = self.synthetic.override(
+                choice, step["token_ids"], step["parents"], step["depths"], first_child,
+                step["valid"])
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
-            step["token_ids"], step["first_child"], step["next_sibling"], choice,
-            self.budget))
+            step["token_ids"], first_child, step["next_sibling"], choice, self.budget))
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, first_row, verdict,

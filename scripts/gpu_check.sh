@@ -1,20 +1,38 @@
 #!/usr/bin/env bash
-# The device check, in one run of a few minutes on a machine with a CUDA GPU: build the CUDA
-# ops for this GPU, run the CUDA tests (CUDA == CPU on the property cases, CUDA-graph
-# capture, the tree-attention kernel == the dense reference), and time the tree ops and tree
-# attention against causal attention. Everything printed also goes to $OUT/gpu_check.log
-# (default OUT=/tmp/gpu_check), beside the benchmarks' JSON: few files, as a lent machine
-# brings back at most eight.
+# The device check, in one run of a few minutes on a machine with a CUDA GPU: vLLM itself
+# (staged from the GPU bundle where the machine has no vLLM), ddtree lossless inside vLLM
+# with CUDA graphs and the Triton TREE_ATTN, the throughput benchmark at Qwen3-8B shapes
+# (synthetic acceptance), then the CUDA ops' tests and timings and the tree-attention
+# benchmarks, in that order: what is left out when time runs short comes last. Everything
+# printed also goes to $OUT/gpu_check.log (default OUT=/tmp/gpu_check), beside the
+# benchmarks' files: at most eight, as a lent machine brings back.
+#
+# On the lent H200 (Python 3.12, torch 2.11, no vLLM, 64 MiB carried a command): build the
+# bundle here first (scripts/gpu_bundle.py, into .gpu-bundle/, which git ignores; its
+# manifest.json says which parts each command carries), then run back to back, since the
+# machine keeps /tmp only about 30 s after a command:
+#   device run  command="scripts/gpu_check.sh"  carry=[".gpu-bundle/command-1"]  timeout_s=120
+#       brings command 1's parts (vLLM's compiled ops, 52 MiB), keeps them under /tmp and
+#       exits 3, naming what the next command must bring;
+#   device run  command="TOTAL_LIMIT_S=570 scripts/gpu_check.sh"
+#               carry=[".gpu-bundle/command-2"]  timeout_s=600
+#       brings the rest (vLLM's Python tree, FA3, the dependencies: 29 MiB), stages the
+#       bundle in /tmp/vllm-bundle (every hash checked; nothing of the machine's replaced),
+#       applies the series, checks the compiled ops (else their stand-in, said loudly) and
+#       runs the whole check.
 #
 #   scripts/gpu_check.sh            # uses .venv/bin/python if present, else python3
 #   STEP_LIMIT_S=60 scripts/gpu_check.sh   # caps every step's time limit (seconds)
 #   TOTAL_LIMIT_S=480 scripts/gpu_check.sh # the whole run's budget, for a machine lent for
 #                                          # one command of limited time (see check)
+#   BUNDLE_DIR, BUNDLE_WORK                # the carried bundle (.gpu-bundle) and where it
+#                                          # is staged (/tmp/vllm-bundle)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+BUNDLE_DIR=${BUNDLE_DIR:-.gpu-bundle} BUNDLE_WORK=${BUNDLE_WORK:-/tmp/vllm-bundle}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
 # check NAME LIMIT CMD...: runs CMD for at most LIMIT seconds (or STEP_LIMIT_S, if less). A
@@ -52,6 +70,11 @@ check() {
   fi
   return 0
 }
+# Seconds left of TOTAL_LIMIT_S (a large number without one), less what later steps need.
+left_s() {
+  if [ -n "${deadline:-}" ]; then echo $(( deadline - $(date +%s) - RESERVE_S - ${1:-0} ))
+  else echo 100000; fi
+}
 
 # The whole run, its output also in $OUT/gpu_check.log (a pipe to tee, which the script
 # waits for: the log is complete when the script returns).
@@ -60,6 +83,30 @@ main() {
   step "device"
   nvidia-smi -L
   "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())'
+
+  # vLLM: the machine's own, or the GPU bundle carried here (parts over several commands).
+  bundle=0
+  if ! "$PY" -c 'import vllm' 2>/dev/null \
+      && { compgen -G "$BUNDLE_DIR/command-*/manifest.json" >/dev/null \
+           || [ -f "$BUNDLE_WORK/manifest.json" ]; }; then
+    step "stage the vLLM bundle"
+    set +e
+    "$PY" -m vllm_ddtree.bundle.stage --bundle "$BUNDLE_DIR" --work "$BUNDLE_WORK" \
+      --env-file "$BUNDLE_WORK.env"
+    rc=$?
+    set -e
+    if [ "$rc" -eq 3 ]; then
+      echo "gpu_check: bundle parts missing: run the next command within 30 s (see above)"
+      exit 3
+    elif [ "$rc" -ne 0 ] || [ ! -f "$BUNDLE_WORK.env" ]; then
+      failed+=("vLLM bundle (exit $rc)")
+      echo "gpu_check: FAILED: vLLM bundle; the vLLM steps are skipped"
+    else
+      # shellcheck disable=SC1090
+      source "$BUNDLE_WORK.env"
+      bundle=1
+    fi
+  fi
 
   step "build the native ops with CUDA for this GPU"
   arch=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
@@ -73,19 +120,51 @@ main() {
   check "loading the ops" 60 "$PY" -c \
     'import torch, vllm_ddtree.ops; print(torch.ops.vllm_ddtree.build_tree.default)'
 
+  if [ "$bundle" = 1 ]; then
+    step "the series on the staged vLLM; its compiled ops, or their stand-in"
+    check "patch series" 60 "$PY" -m vllm_ddtree.cli patches apply
+    check "compiled ops" 240 "$PY" -m vllm_ddtree.bundle.compiled_ops \
+      --site "$VLLM_DDTREE_BUNDLE_SITE" --env-file "$BUNDLE_WORK.env"
+    # shellcheck disable=SC1090
+    source "$BUNDLE_WORK.env"  # the stand-in's settings, if it was chosen
+    check "selfcheck" 120 "$PY" -m vllm_ddtree.selfcheck
+  fi
+
+  if ! "$PY" -c 'import vllm' 2>/dev/null; then
+    step "vLLM is not here (no bundle carried): the vLLM steps did not run"
+  else
+    step "ddtree inside vLLM: lossless against the target alone, CUDA graphs, Triton TREE_ATTN"
+    check "ddtree lossless in vLLM" 300 "$PY" -m pytest -q -p no:cacheprovider -x \
+      tests/cuda/test_engine_cuda.py
+    step "throughput at Qwen3-8B shapes (dummy weights, synthetic acceptance)"
+    # What is left, less about 3 minutes for the CUDA op tests and timings after it.
+    budget=$(left_s 180)
+    [ "$budget" -gt 420 ] && budget=420
+    check "throughput benchmark" $(( budget > 20 ? budget + 30 : 20 )) \
+      "$PY" scripts/bench_gpu_throughput.py --shape 8b --time-budget-s "$budget" \
+      --out "$OUT/throughput"
+  fi
+
   step "CUDA tests"
   # In 8 processes where pytest-xdist is installed (the lent machines have it): the
   # property cases' generation and CPU oracles are host work, and the GPU has room for all.
   parallel=()
   "$PY" -c 'import xdist' 2>/dev/null && parallel=(-n 8)
   check "CUDA tests" 240 "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
-    "${parallel[@]}" tests/cuda
+    "${parallel[@]}" tests/cuda --ignore=tests/cuda/test_engine_cuda.py
 
   step "tree op timings (CUDA events, median)"
+  timings=$(mktemp -d)
   for reqs in 1 8 32; do
     check "tree op timings, $reqs requests" 90 "$PY" scripts/bench_tree_ops.py --device cuda \
-      --reqs "$reqs" --json "$OUT/bench_tree_ops_cuda_r$reqs.json"
+      --reqs "$reqs" --json "$timings/r$reqs.json"
   done
+  # One file for the three (a lent machine brings back eight).
+  if compgen -G "$timings/r*.json" >/dev/null; then
+    "$PY" -c 'import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]],
+      open(sys.argv[1], "w"), indent=1)' "$OUT/bench_tree_ops_cuda.json" "$timings"/r*.json \
+      || true
+  fi
   step "tree attention vs causal (CUDA events, median)"
   check "tree attention benchmark" 180 \
     "$PY" scripts/bench_tree_attention.py --json "$OUT/bench_tree_attention.json"
@@ -93,35 +172,18 @@ main() {
     "$PY" scripts/bench_tree_attention.py --shape gpt-oss --budgets 64 \
     --json "$OUT/bench_tree_attention_gpt_oss.json"
 
-  if ! "$PY" -c 'import vllm' 2>/dev/null; then
-    step "vLLM is not installed here: ddtree end to end, the acceptance benchmark and TP=2 did not run"
-  else
-    step "ddtree end to end"
-    check "ddtree end to end" 600 \
-      "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_engine.py
-    step "acceptance and throughput: none vs dflash vs ddtree, CUDA graphs"
-    # Real checkpoints when TARGET_MODEL and DRAFTER_MODEL (and PROMPTS, a JSON list) are
-    # given, else the trained tiny pair if it is here (PAIR; default the training script's
-    # output; to carry it to a lent GPU, copy it to .tiny-pair/, which git ignores, and set
-    # PAIR=.tiny-pair).
-    PAIR=${PAIR:-$HOME/.cache/vllm-ddtree/tiny-pair}
+  if "$PY" -c 'import vllm' 2>/dev/null; then
+    # Real checkpoints, where the machine has them (TARGET_MODEL, DRAFTER_MODEL, PROMPTS).
     if [ -n "${TARGET_MODEL:-}" ] && [ -n "${DRAFTER_MODEL:-}" ]; then
+      step "acceptance and throughput on real checkpoints: none vs dflash vs ddtree"
       check "acceptance benchmark" 1800 \
         "$PY" scripts/bench_acceptance.py --target "$TARGET_MODEL" --drafter "$DRAFTER_MODEL" \
         ${PROMPTS:+--prompts "$PROMPTS"} --dtype bfloat16 --cuda-graphs --concurrency 1 8 32 \
         --budgets 16 64 256 --dynamic 64:512 --repeats 3 --out "$OUT/bench_acceptance"
-    elif [ -f "$PAIR/heldout_prompts.json" ]; then
-      check "acceptance benchmark" 1800 \
-        "$PY" scripts/bench_acceptance.py --pair "$PAIR" --cuda-graphs --concurrency 1 8 32 \
-        --dynamic 64:512 --repeats 3 --out "$OUT/bench_acceptance"
-    else
-      echo "no checkpoints given and no tiny pair at $PAIR: the acceptance benchmark did not run"
     fi
-    step "ddtree with tensor parallelism 2 (needs two GPUs)"
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      step "ddtree with tensor parallelism 2"
       check "ddtree TP=2" 600 "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_parallel.py
-    else
-      echo "fewer than two GPUs: the TP=2 run did not happen"
     fi
   fi
   echo

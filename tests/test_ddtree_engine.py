@@ -120,7 +120,8 @@ def verify_steps(monkeypatch) -> list[list[tuple[int, bool, bool]]]:
 
 def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str], seed: int):
     """A drafter that knows the target's greedy continuation and shows it imperfectly: per
-    depth the true token is ranked first (55%), second or third (30%), or missing (15%)."""
+    depth the true token is ranked first (55%), second or third (30%), or missing (15%).
+    The logits are made on the host and returned on the drafter's device (a GPU's too)."""
     produced: dict[str, int] = {}  # per request, tokens emitted so far (async scheduling)
 
     def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -161,7 +162,7 @@ def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str],
                     if u > 0.7:
                         logits[r, d, others[1]] = 12.5
                     logits[r, d, true] = 12.0
-        return logits.flatten(0, 1)
+        return logits.flatten(0, 1).to(hidden_states.device)
 
     return draft_logits
 

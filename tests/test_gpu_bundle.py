@@ -176,3 +176,43 @@ def test_parts_hash_and_join_to_their_components(tmp_path: Path) -> None:
     for cmd in manifest["commands"]:
         assert sum(p["bytes"] for p in manifest["parts"] if p["file"] in cmd["parts"]) \
             <= manifest["command_mib"] * MIB
+
+
+def test_gpu_check_stops_and_names_what_the_next_command_brings(tmp_path: Path) -> None:
+    """A device command that carries part of the bundle: gpu_check.sh stages it, stops with
+    exit 3 before building anything, and its log names the parts the next command brings."""
+    import json
+    import os
+
+    import torch
+
+    out = tmp_path / "bundle"
+    manifest = fake_bundle(out)
+    manifest["expects"] = {"python": ".".join(map(str, sys.version_info[:2])),
+                           "torch": ".".join(torch.__version__.split(".")[:2]),
+                           "cuda": str(torch.version.cuda)}  # this machine's, to get past
+    for path in out.rglob("manifest.json"):
+        path.write_text(json.dumps(manifest))
+    carried = carry(out, tmp_path / "tree", [1])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.log"
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stub'\n")
+    (bin_dir / "python").write_text(
+        "#!/bin/sh\ncase \"$*\" in *'import vllm'*) exit 1;; *torch.cuda*) echo stub; "
+        f"exit 0;; esac\necho \"$*\" >> {calls}\nexec {sys.executable} \"$@\"\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "o"),
+           "PYTHON": str(bin_dir / "python"), "BUNDLE_DIR": str(carried),
+           "BUNDLE_WORK": str(tmp_path / "work")}
+    done = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == stage.MISSING, done.stdout + done.stderr
+    log = (tmp_path / "o" / "gpu_check.log").read_text()
+    second = manifest["commands"][1]
+    assert f"{second['parts'][0]}: brought by command 2 (carry {second['carry']})" in log
+    assert "run the next command within 30 s" in log
+    assert "setup.py" not in calls.read_text()  # nothing built
+    assert sorted(p.name for p in (tmp_path / "work" / "parts").iterdir()) == sorted(
+        manifest["commands"][0]["parts"])

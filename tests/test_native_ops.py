@@ -120,7 +120,8 @@ def run_gpu_check_on_stubs(tmp_path: Path, **limits: str):
         stub.chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
-           "PYTHON": str(bin_dir / "python-stub"), **limits}
+           "PYTHON": str(bin_dir / "python-stub"), "BUNDLE_DIR": str(tmp_path / "no-bundle"),
+           "BUNDLE_WORK": str(tmp_path / "no-bundle-staged"), **limits}
     result = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh")], env=env,
                             capture_output=True, text=True, timeout=120)
     return result, calls.read_text(), {p.name: p for p in out.iterdir()}

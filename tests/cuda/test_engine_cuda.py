@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from bench_gpu_throughput import engine_kwargs
-from test_ddtree_engine import PROMPTS, ddtree_state, oracle_draft_logits
+from test_ddtree_engine import PROMPTS as PROMPTS_ALL
+from test_ddtree_engine import ddtree_state, oracle_draft_logits
 
-PROMPTS = PROMPTS[:4]
+PROMPTS = PROMPTS_ALL[:4]
 MAX_TOKENS = 24
 MAX_NUM_SEQS = 4
 BUDGET = 16
@@ -43,11 +44,11 @@ def make_llm(pair: Path, dtype: str, spec: dict | None = None, **settings):
         kv_cache_memory_bytes=1 << 30, speculative_config=spec), settings, standin))
 
 
-def greedy(llm, max_tokens: int = MAX_TOKENS) -> list:
+def greedy(llm, max_tokens: int = MAX_TOKENS, prompts: list[str] | None = None) -> list:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate(PROMPTS, params, use_tqdm=False)
+    return llm.generate(prompts or PROMPTS, params, use_tqdm=False)
 
 
 def target_alone(pair: Path, dtype: str) -> tuple[dict[str, list], dict[tuple, str]]:
@@ -77,27 +78,44 @@ def float32_target(tiny_models: Path, ieee_fp32_dots):
     return target_alone(tiny_models, "float32")
 
 
-def run_ddtree(pair: Path, target, monkeypatch, dtype: str, mode: str, seed: int, **settings):
-    """ddtree under cudagraph_mode ``mode`` with the oracle drafter reading ``target``; the
-    outputs, the engine, and per target dispatch after start-up (num_tokens, uniform decode,
-    graph mode run): verify steps are the uniform ones."""
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+
+
+def record_dispatches(llm, monkeypatch) -> list:
+    """Per step after start-up: (num_tokens, uniform decode, graph mode run), as vLLM's
+    cudagraph metrics (observability_config.cudagraph_metrics) record it: the mode is the
+    dispatcher's answer. Verify steps are the uniform ones."""
+    dispatcher, dispatched = runner_of(llm).cudagraph_dispatcher, []
+    dispatch = dispatcher.dispatch
+
+    def record(num_tokens, *args, **kwargs):
+        runtime_mode, batch = dispatch(num_tokens, *args, **kwargs)
+        uniform = kwargs.get("uniform_decode", args[0] if args else False)
+        dispatched.append((num_tokens, uniform, runtime_mode))
+        return runtime_mode, batch
+
+    monkeypatch.setattr(dispatcher, "dispatch", record)
+    return dispatched
+
+
+def install_oracle(target, monkeypatch, seed: int) -> None:
     from vllm_ddtree.runner import DDTreeProposer
 
     tokens, prompt_ids = target
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(tokens, prompt_ids, seed=seed))
+
+
+def run_ddtree(pair: Path, target, monkeypatch, dtype: str, mode: str, seed: int, **settings):
+    """ddtree under cudagraph_mode ``mode`` with the oracle drafter reading ``target``; the
+    outputs, the engine and its dispatches after start-up."""
+    install_oracle(target, monkeypatch, seed)
     spec = {"method": "ddtree", "model": str(pair / "drafter"), "tree_budget": BUDGET}
     llm = make_llm(pair, dtype, spec, **engine_kwargs(
         {"compilation_config": {"cudagraph_mode": mode}}, settings))
-    dispatcher, dispatched = ddtree_state(llm).runner.cudagraph_dispatcher, []
-    dispatch = dispatcher.dispatch
-
-    def record(num_tokens, *args, **kwargs):
-        runtime_mode, batch = dispatch(num_tokens, *args, **kwargs)
-        dispatched.append((num_tokens, kwargs.get("uniform_decode", False), runtime_mode))
-        return runtime_mode, batch
-
-    monkeypatch.setattr(dispatcher, "dispatch", record)
+    dispatched = record_dispatches(llm, monkeypatch)
     return greedy(llm), llm, dispatched
 
 
@@ -172,15 +190,59 @@ def test_lossless_with_cuda_graphs(tiny_models: Path, float32_target, monkeypatc
     assert mean_length > 2, (mean_length, stats)
 
 
-def test_bfloat16_runs_with_graphs_and_accepts_deep(tiny_models: Path, monkeypatch) -> None:
-    """bfloat16, what a GPU serves in, full graphs: the oracle reads the bfloat16 target
-    alone; its output may differ from ddtree's by rounding (see above), not checked."""
-    target = target_alone(tiny_models, "bfloat16")
-    outputs, llm, dispatched = run_ddtree(tiny_models, target, monkeypatch, "bfloat16",
-                                          "FULL", seed=11)
+BF16_PROMPTS = PROMPTS_ALL[:8]
+
+
+@pytest.fixture(scope="module")
+def bfloat16_target_on_tree_attn(tiny_models: Path) -> dict[int, tuple]:
+    """The bfloat16 target alone, with vLLM's default CUDA graphs and on TREE_ATTN (without
+    trees it attends causally), so that both sides use the same attention kernel and
+    differ only by batch shapes; greedy at concurrency 1 and 8 (the oracle's look-ahead
+    included), and its graph replays."""
+    llm = make_llm(tiny_models, "bfloat16", max_num_seqs=8, attention_backend="TREE_ATTN")
+    dispatched = []
+    with pytest.MonkeyPatch.context() as mp:
+        dispatched = record_dispatches(llm, mp)
+        out = {}
+        for conc in (1, 8):
+            outputs = greedy(llm, MAX_TOKENS + 16, BF16_PROMPTS[:conc])
+            out[conc] = ({o.prompt: list(o.outputs[0].token_ids) for o in outputs},
+                         {tuple(o.prompt_token_ids): o.prompt for o in outputs})
+    from vllm.config.compilation import CUDAGraphMode
+
+    decode = [run for n, uniform, run in dispatched if uniform]
+    assert decode and set(decode) == {CUDAGraphMode.FULL}, dispatched
+    del llm
+    gc.collect()
+    return out
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+def test_bfloat16_default_graphs_lossless_on_the_gpu_path(
+        tiny_models: Path, bfloat16_target_on_tree_attn, monkeypatch, budget) -> None:
+    """What a GPU serves: bfloat16, vLLM's default CUDA-graph mode, the Triton TREE_ATTN
+    and the CUDA tree ops; greedy output equals the target alone on the same kernel, at
+    concurrency 1 and 8, with verify steps replaying full graphs, trees accepted deep and
+    off the greedy chain."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    import vllm_ddtree.ops  # noqa: F401  (the tree ops, built with CUDA by gpu_check.sh)
+
+    spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": budget}
+    llm = make_llm(tiny_models, "bfloat16", spec, max_num_seqs=8)
     assert llm.llm_engine.vllm_config.model_config.dtype == torch.bfloat16
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * len(PROMPTS)
-    check_graphs(llm, "FULL", dispatched)
+    assert torch.ops.vllm_ddtree.build_tree.default.has_kernel_for_dispatch_key("CUDA")
+    dispatched = record_dispatches(llm, monkeypatch)
+    for conc in (1, 8):
+        target = bfloat16_target_on_tree_attn[conc]
+        install_oracle(target, monkeypatch, seed=11 + conc)
+        outputs = greedy(llm, MAX_TOKENS, BF16_PROMPTS[:conc])
+        assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+            p: t[:MAX_TOKENS] for p, t in target[0].items()}, conc
     check_tree_attention(llm)
-    stats, _ = acceptance(llm)
+    verify = [(n, run) for n, uniform, run in dispatched if uniform]
+    assert {n for n, _ in verify} >= {budget + 1, 8 * (budget + 1)}, verify
+    assert {run for _, run in verify} == {CUDAGraphMode.FULL}, verify
+    stats, mean_length = acceptance(llm)
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+    assert mean_length > 2, (mean_length, stats)

@@ -210,48 +210,162 @@ def test_request_parameters_the_tree_path_ignores_are_refused_by_name(name, valu
     assert error.value.parameter == name
 
 
-@pytest.mark.parametrize("budget, user_max, graphed", [
-    (64, None, None), (511, None, None), (512, None, 513), (1024, None, 1025),
-    (1024, 2050, None)])
-def test_large_budgets_keep_a_cuda_graph(tiny_models: Path, monkeypatch, budget, user_max,
-                                         graphed) -> None:
-    """vLLM's own sizing code, run on this config as on a Hopper GPU (the CPU platform turns
-    CUDA graphs off): from tree_budget 512 no verify step fits its default 512-token
-    ceiling and it refuses to start; ddtree's config then captures one request's step.
-    Capture sizes the user set are kept."""
-    from vllm.config.compilation import CUDAGraphMode
+def gpu_startup(config, monkeypatch, user_max=None, user_sizes=None, ddtree: bool = True):
+    """vLLM's own CUDA graph sizing and dispatch keys, run on ``config`` as on a Hopper GPU
+    (the CPU platform turns graphs off): ddtree's check with the sizes the user (or a model
+    hook) left, vLLM's sizes, the runner's resolution of the mode with TREE_ATTN's declared
+    support (which rounds sizes to multiples of the verify step), and the dispatcher's keys.
+    Without ``ddtree``, what vLLM alone would capture."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
     from vllm.platforms import current_platform
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-    from vllm_ddtree.config import graphed_verify_step, verify_vllm_config
+    from vllm_ddtree.attention.backend import TreeAttentionMetadataBuilder
+    from vllm_ddtree.config import verify_vllm_config
+
+    cc = config.compilation_config
+    cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes = user_max, user_sizes
+    if ddtree:
+        monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+        verify_vllm_config(config)  # what VllmConfig.__post_init__ does on a GPU
+    config.model_config.enforce_eager = False
+    cc.mode, cc.splitting_ops = CompilationMode.VLLM_COMPILE, list(cc._attention_ops)
+    cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # vLLM's default on a GPU
+    config._set_cudagraph_sizes()
+    step = config.uniform_decode_query_len
+    mode = cc.resolve_cudagraph_mode_and_sizes(
+        TreeAttentionMetadataBuilder._cudagraph_support, "TREE_ATTN", step,
+        max_num_reqs=config.scheduler_config.max_num_seqs)
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(mode, step)
+    return dispatcher
+
+
+def replayed_requests(dispatcher, step: int) -> int:
+    """Verify batches of 1, 2, ... requests (uniform: ``step`` tokens each) that replay a
+    full graph, unpadded; the first that does not ends the count."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    n = 0
+    while True:
+        mode, batch = dispatcher.dispatch((n + 1) * step, uniform_decode=True)
+        if mode != CUDAGraphMode.FULL:
+            return n
+        assert (batch.num_tokens, batch.num_reqs) == ((n + 1) * step, n + 1)
+        n += 1
+
+
+@pytest.mark.parametrize("budget, vllm_alone, ddtree", [
+    (16, 30, 32), (64, 7, 32), (256, 1, 31), (1024, None, 7)])
+def test_cuda_graphs_hold_verify_batches_of_32_requests(tiny_models: Path, monkeypatch, budget,
+                                                         vllm_alone, ddtree) -> None:
+    """With no sizes given, vLLM alone (its 512-token ceiling, rounded to multiples of the
+    verify step) replays full graphs for verify batches of up to 30 requests at budget 16,
+    7 at 64, 1 at 256, and refuses to start at 1024. ddtree's sizes, every multiple of the
+    step up to 32 steps within 8,192 tokens, replay every batch of up to 32 requests (31 at
+    256, 7 at 1024), each unpadded; mixed batches replay piecewise graphs up to as many
+    tokens; a plain decode is padded to one step (vLLM's rounding). The drafter's graphs,
+    n requests x (tree_depth + 1) tokens for each target size, are all captured (through
+    the target's capture sizes) and replay its batch of every such request count unpadded."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    from vllm_ddtree.runner import DDTreeProposer
 
     config = engine_config(tiny_models, {"method": "ddtree", "tree_budget": budget,
                                          "model": str(tiny_models / "drafter")},
-                           max_num_batched_tokens=8192, max_num_seqs=64)
-    cc = config.compilation_config
-    cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes = user_max, None
-    assert graphed_verify_step(config) == graphed
-    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
-    verify_vllm_config(config)  # what startup does on a GPU
-    if graphed is not None:
-        assert (cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size) == ([graphed],
-                                                                               graphed)
-
-    def vllm_capture_sizes(max_size, sizes=None):
-        config.model_config.enforce_eager = False
-        cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-        cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes = max_size, sizes
-        config._set_cudagraph_sizes()
-        cc.adjust_cudagraph_sizes_for_spec_decode(config.uniform_decode_query_len)
-        return cc.cudagraph_capture_sizes
-
-    step = budget + 1
-    if graphed is not None:
+                           max_num_batched_tokens=16384, max_num_seqs=64)
+    step, depth = budget + 1, config.speculative_config.tree_depth
+    if vllm_alone is None:
         with pytest.raises(ValueError, match=f"No valid cudagraph sizes .* multiple of {step}"):
-            vllm_capture_sizes(None)
-        assert vllm_capture_sizes(graphed, [graphed]) == [step]  # as verify_vllm_config sets
+            gpu_startup(config, monkeypatch, ddtree=False)
     else:
-        sizes = vllm_capture_sizes(user_max)
-        assert sizes and all(size % step == 0 for size in sizes)
+        assert replayed_requests(gpu_startup(config, monkeypatch, ddtree=False),
+                                 step) == vllm_alone
+    target = gpu_startup(config, monkeypatch)
+    assert replayed_requests(target, step) == ddtree
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert sizes == [n * step for n in range(1, ddtree + 1)]
+    for n in range(1, ddtree + 1):  # a mixed batch (a prefill chunk with decodes)
+        assert target.dispatch(n * step - 3)[0] == CUDAGraphMode.PIECEWISE
+    assert target.dispatch(sizes[-1] + 1)[0] == CUDAGraphMode.NONE
+    mode, batch = target.dispatch(1)  # a lone plain decode
+    assert (mode, batch.num_tokens) == (CUDAGraphMode.PIECEWISE, step)
+
+    # The drafter: its dispatcher as DDTreeProposer sets it up, and what vLLM's capture
+    # (one drafter dummy run per target size, in the piecewise pass) captures through it.
+    drafter = DDTreeProposer.__new__(DDTreeProposer)
+    drafter.__dict__.update(
+        vllm_config=config, compilation_config=config.compilation_config,
+        speculative_config=config.speculative_config, budget=budget, depth=depth,
+        cudagraph_dispatcher=type(target)(config), _own_graph_sizes=False)
+    drafter.initialize_cudagraph_keys(target.cudagraph_mode)
+    dispatcher, captured = drafter.cudagraph_dispatcher, set()
+
+    def dummy_run(self, num_tokens, use_cudagraphs=True, is_graph_capturing=False,
+                  slot_mappings=None):
+        captured.add(dispatcher.dispatch(num_tokens)[1])
+
+    monkeypatch.setattr(DFlashProposer, "dummy_run", dummy_run)
+    for size in sizes:
+        drafter.dummy_run(size, is_graph_capturing=True)
+    keys = dispatcher.cudagraph_keys[CUDAGraphMode.PIECEWISE]
+    assert captured == keys and len(keys) == ddtree
+    for n in range(1, ddtree + 1):
+        mode, batch = dispatcher.dispatch(n * (depth + 1))
+        assert (mode, batch.num_tokens) == (CUDAGraphMode.PIECEWISE, n * (depth + 1))
+
+
+@pytest.mark.parametrize("budget, user_max, user_sizes, replayed", [
+    (1024, None, [1, 2, 4, 8], 7),  # smaller than a step: as if none were given
+    (1024, 512, None, 7),
+    (1024, 4096, None, 3),  # the user's, kept: vLLM rounds within it
+    (64, 1024, None, 15)])
+def test_sizes_the_user_gave_are_kept_unless_below_a_step(tiny_models: Path, monkeypatch,
+                                                            budget, user_max, user_sizes,
+                                                            replayed) -> None:
+    config = engine_config(tiny_models, {"method": "ddtree", "tree_budget": budget,
+                                         "model": str(tiny_models / "drafter")},
+                           max_num_batched_tokens=8192, max_num_seqs=64)
+    dispatcher = gpu_startup(config, monkeypatch, user_max, user_sizes)
+    assert replayed_requests(dispatcher, budget + 1) == replayed
+
+
+def test_graph_sizes_stay_within_max_num_batched_tokens(tiny_models: Path) -> None:
+    from vllm_ddtree.config import graphed_verify_sizes
+
+    config = engine_config(tiny_models, {"method": "ddtree", "tree_budget": 64,
+                                         "model": str(tiny_models / "drafter")},
+                           max_num_batched_tokens=2048)
+    assert graphed_verify_sizes(config) == [65 * n for n in range(1, 32)]
+
+
+def test_gpt_oss_at_budget_1024_starts(tiny_models: Path, tmp_path: Path, monkeypatch) -> None:
+    """vLLM's gpt-oss config hook raises the graph ceiling to 1,024 tokens when no size is
+    given, before ddtree's check: a ceiling below one verify step of budget 1024, with
+    which vLLM alone refuses to start. ddtree takes it as no size given."""
+    from test_ddtree_engine import other_target_pair
+
+    pair = other_target_pair(tiny_models, tmp_path, "gpt-oss")
+    config = engine_config(pair, {"method": "ddtree", "tree_budget": 1024,
+                                  "model": str(pair / "drafter")},
+                           max_num_batched_tokens=8192, max_num_seqs=64)
+    assert config.model_config.architecture == "GptOssForCausalLM"
+    cc = config.compilation_config
+
+    def model_hook() -> None:  # vLLM's model config hooks, as when the config was made
+        cc.max_cudagraph_capture_size = cc.cudagraph_capture_sizes = None
+        config.model_config.config_updated = False
+        config.try_verify_and_update_config()
+        assert cc.max_cudagraph_capture_size == 1024
+
+    model_hook()
+    with pytest.raises(ValueError, match="No valid cudagraph sizes .* multiple of 1025"):
+        gpu_startup(config, monkeypatch, 1024, ddtree=False)
+    model_hook()
+    dispatcher = gpu_startup(config, monkeypatch, 1024)
+    assert replayed_requests(dispatcher, 1025) == 7
+    assert cc.cudagraph_capture_sizes == [1025 * n for n in range(1, 8)]
 
 
 def test_large_budgets_with_a_dynamic_schedule_keep_vllms_tiers(tiny_models: Path) -> None:
@@ -260,7 +374,7 @@ def test_large_budgets_with_a_dynamic_schedule_keep_vllms_tiers(tiny_models: Pat
     tokens would pad a step of 64 requests x 8 nodes up to it)."""
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_ddtree.config import graphed_verify_step
+    from vllm_ddtree.config import graphed_verify_sizes
 
     config = engine_config(tiny_models, {
         "method": "ddtree", "tree_budget": 1024, "model": str(tiny_models / "drafter"),
@@ -268,7 +382,7 @@ def test_large_budgets_with_a_dynamic_schedule_keep_vllms_tiers(tiny_models: Pat
         max_num_batched_tokens=8192, max_num_seqs=64)
     cc = config.compilation_config
     cc.max_cudagraph_capture_size = cc.cudagraph_capture_sizes = None
-    assert graphed_verify_step(config) is None
+    assert graphed_verify_sizes(config) is None
     config.model_config.enforce_eager = False
     cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     config._maybe_override_dynamic_sd_cudagraph_mode()  # what vLLM's startup does

@@ -255,6 +255,73 @@ def test_the_largest_budget_is_lossless(tiny_models: Path, baseline, monkeypatch
 
 
 @pytest.mark.slow
+def test_drafting_goes_on_beside_a_request_near_max_model_len(tiny_models: Path, monkeypatch,
+                                                              scheduling) -> None:
+    """One request ends one token short of max_model_len (160), a short one does not, at
+    budget 64 and depth 7. vLLM reserves num_speculative_tokens + 1 past the batch's
+    longest sequence before drafting, for ddtree tree_budget + 1 = 65: the long request is
+    within that of its limit from its prefill on, so nothing would be drafted for either.
+    ddtree reserves the drafter's block (depth + 1) past the accepted path: both draft until
+    the long request is within 2 x (depth + 1) of its limit, the short one again once the
+    long one is done, and the drafter's queries stay inside max_model_len. Output equals
+    the target alone's."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.runner import DDTreeProposer, DDTreeState
+
+    max_len, depth = 160, 7
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models / "target"))
+    long = tokenizer.encode(" ".join(f"item{i}" for i in range(60)))[:125]
+    prompts = [{"prompt_token_ids": long},
+               {"prompt_token_ids": tokenizer.encode(PROMPTS[1])}]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (max_len - 1 - len(long), 80)]  # the short one outlives the long one
+
+    def run(spec: dict | None):
+        llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, seed=0,
+                  max_model_len=max_len, dtype="float32", max_num_seqs=2,
+                  speculative_config=spec)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)], llm
+
+    steps, prepare_step, propose = [], DDTreeState.prepare_step, DDTreeProposer.propose
+    positions, set_inputs = [], DDTreeProposer.set_inputs_first_pass
+
+    def record_step(self, spec_decode_metadata, num_tokens):
+        prepare_step(self, spec_decode_metadata, num_tokens)
+        steps.append({"requests": self.runner.input_batch.num_reqs, "drafted": False})
+
+    def record_draft(self, *args, **kwargs):
+        steps[-1]["drafted"] = True
+        return propose(self, *args, **kwargs)
+
+    def record_positions(self, *args, **kwargs):
+        out = set_inputs(self, *args, **kwargs)
+        positions.append(int(self.positions[:out[0]].max()))
+        return out
+
+    monkeypatch.setattr(DDTreeState, "prepare_step", record_step)
+    monkeypatch.setattr(DDTreeProposer, "propose", record_draft)
+    monkeypatch.setattr(DDTreeProposer, "set_inputs_first_pass", record_positions)
+    got, llm = run({"method": "ddtree", "tree_budget": 64,
+                    "model": str(tiny_models / "drafter")})
+    assert_scheduling(llm, scheduling)
+    assert ddtree_state(llm).depth == depth
+    # Steps with both requests: drafted, but for the long one's last 2 x (depth + 1)
+    # tokens (its accepted path, unknown on the host before drafting, may be depth deep);
+    # the short one drafts again once the long one is done.
+    both = [step["drafted"] for step in steps if step["requests"] == 2]
+    paused = both.index(False)
+    assert both[paused:] == [False] * (len(both) - paused), steps
+    assert len(both) - paused <= 2 * (depth + 1) < paused, steps
+    last = max(i for i, step in enumerate(steps) if step["requests"] == 2)
+    assert steps[last + 1]["requests"] == 1 and steps[-1]["drafted"], steps
+    assert max(positions) < max_len
+    assert got == run(None)[0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("busy", [12, 4, 0])
 def test_dynamic_speculative_decoding_cuts_trees_losslessly(
         tiny_models: Path, baseline, monkeypatch, scheduling, busy) -> None:

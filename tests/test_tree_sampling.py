@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_ddtree.sampling import _mask_bad_words
+from vllm_ddtree.sampling import _bad_words_table, _mask_bad_words
 
 VOCAB, MAX_DEPTH = 6, 4
 
@@ -45,5 +45,5 @@ def test_bad_words_at_nodes_equal_vllms_on_each_nodes_history(case) -> None:
                     [outputs[r] + p for r, p in rows])
     got = logits.clone()
     sm = SimpleNamespace(bad_words_token_ids=words, output_token_ids=outputs)
-    _mask_bad_words(got, request, depth, path, len(outputs), sm)
+    _mask_bad_words(got, request, depth, path, _bad_words_table(sm, len(outputs), got.device))
     assert torch.equal(got, want)

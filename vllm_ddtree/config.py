@@ -15,12 +15,24 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 from vllm_ddtree.tree import MAX_BUDGET
 
+logger = logging.getLogger("vllm.ddtree")
+
 DEFAULT_TREE_BUDGET = 64
+# CUDA graphs (graphed_verify_sizes): verify batches of up to 32 requests, as many as vLLM's
+# default graphs hold for a DFlash chain of a -b16 drafter (16 tokens each within 512),
+# within 8192 tokens. Full graphs share one memory pool, captured largest first, so the
+# largest sets its size (about a forward's activations at that many tokens), which vLLM
+# measures at startup and takes from the KV cache; 8192 is vLLM's default
+# max_num_batched_tokens for serving on H100/H200, and a verify batch that large is
+# compute-bound, where a graph saves little.
+GRAPH_STEPS = 32
+GRAPH_TOKENS = 8192
 TREE_FIELDS = ("tree_budget", "tree_spine")
 
 
@@ -182,35 +194,64 @@ def verify_vllm_config(vllm_config: Any) -> None:
     model = vllm_config.model_config
     if model is not None:
         _verify_target_model(model)
-    step = graphed_verify_step(vllm_config)
-    if step is not None and current_platform.is_cuda_alike():
+    sizes = graphed_verify_sizes(vllm_config)
+    if sizes is not None and current_platform.is_cuda_alike():
         cc = vllm_config.compilation_config
-        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [step], step
+        logger.info("method 'ddtree': CUDA graph sizes %d to %d tokens, every multiple of a "
+                    "verify step (in place of max_cudagraph_capture_size %s, "
+                    "cudagraph_capture_sizes %s)", sizes[0], sizes[-1],
+                    cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes)
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, sizes[-1]
     if getattr(vllm_config, "watermark_config", None) is not None:
         raise ValueError("watermark_config: method 'ddtree' does not watermark at tree "
                          "nodes; leave it unset")
 
 
-def graphed_verify_step(vllm_config: Any) -> int | None:
-    """The CUDA graph size (tokens) to capture where vLLM's default holds no verify step:
-    None to keep vLLM's sizes.
+def graphed_verify_sizes(vllm_config: Any) -> list[int] | None:
+    """ddtree's CUDA graph sizes (tokens): None to keep vLLM's.
 
-    vLLM 0.32's V1 runner captures full CUDA graphs only for batch sizes that are multiples
-    of a request's verify step (tree_budget + 1 tokens), up to 512 tokens by default (1024
-    on Blackwell). From tree_budget 512 no multiple fits under 512, and vLLM stops at
-    startup ("No valid cudagraph sizes after rounding to multiple of 513"): then capture
-    one request's verify step, as vLLM's default does for budgets 256-511. Capture sizes
-    the user gave are kept. With a dynamic schedule (num_speculative_tokens_per_batch_size;
-    vLLM drops it under data parallelism) vLLM runs piecewise graphs sized per tier and
-    rounds nothing: one size of tree_budget + 1 would pad every smaller step up to it."""
+    vLLM 0.32's V1 runner, with full decode graphs, rounds every capture size up to a
+    multiple of one request's verify step (tree_budget + 1 tokens) and drops those above its
+    ceiling, 512 tokens by default: that leaves 7 requests at budget 64, one at 256, and
+    none from 512 on (it then refuses to start: "No valid cudagraph sizes after rounding to
+    multiple of 513"); batches above the largest size run with no graph, not even a
+    piecewise one, and anything smaller than a step (a plain decode) is padded to one. So
+    ddtree captures every multiple of the step, 1 to GRAPH_STEPS steps, within GRAPH_TOKENS
+    and max_num_batched_tokens: a full graph for each verify batch of up to 32 requests (31
+    at budget 256, 7 at 1024; full ones up to max_num_seqs requests), and piecewise ones for
+    mixed batches of as many tokens. Every count, not vLLM's 1, 2, 4, 8, 16, ... request
+    grid, since a padded request costs a whole verify step of compute.
+
+    Kept: sizes the user (or a model's config hook: gpt-oss sets a 1024-token ceiling)
+    gave, unless the largest is below one verify step, which vLLM cannot capture at all;
+    and vLLM's sizes under a dynamic schedule (num_speculative_tokens_per_batch_size; vLLM
+    drops it under data parallelism), where vLLM runs piecewise graphs sized per tier and
+    rounds nothing."""
     cc, spec = vllm_config.compilation_config, vllm_config.speculative_config
-    if cc.max_cudagraph_capture_size is not None or cc.cudagraph_capture_sizes is not None:
-        return None
     if (spec.uses_dynamic_speculative_decoding()
             and vllm_config.parallel_config.data_parallel_size <= 1):
         return None
     step = spec.tree_budget + 1
-    return step if step > 512 else None
+    given = cc.max_cudagraph_capture_size
+    if given is None and cc.cudagraph_capture_sizes:
+        given = max(cc.cudagraph_capture_sizes)
+    if given is not None and given >= step:
+        return None
+    tokens = min(GRAPH_TOKENS, vllm_config.scheduler_config.max_num_batched_tokens)
+    return [n * step for n in range(1, min(GRAPH_STEPS, tokens // step) + 1)]
+
+
+def drafter_graph_sizes(target_sizes: list[int], step: int, block: int) -> list[int] | None:
+    """The drafter's CUDA graph sizes (tokens) for the target's sizes: for a target size of
+    n verify steps (``step`` tokens each), n requests' drafter blocks (``block`` =
+    tree_depth + 1 tokens each), so that the drafter of a batch the target graphs is graphed
+    too, unpadded. vLLM gives the drafter the target's sizes, which for a DFlash chain fit
+    its batch (both take num_speculative_tokens + 1 tokens per request), but for ddtree
+    would pad one request's 16 tokens to 1,025 at budget 1024. None (keep the target's)
+    unless every target size is a multiple of the step (a dynamic schedule's are not)."""
+    if not target_sizes or any(size % step for size in target_sizes):
+        return None
+    return [size // step * block for size in target_sizes]
 
 
 def _verify_target_model(model: Any) -> None:

@@ -1,6 +1,6 @@
 """DDTree inside vLLM's V1 model runner: the proposer and the per-step tree bookkeeping.
 
-The runner patch (patches/0005) calls in at four points; everything else is here:
+The runner patch (patches/0005) calls in at five points; everything else is here:
 
 1. construction: ``DDTreeProposer`` replaces ``DFlashProposer``, and ``DDTreeState``
    holds the trees between steps and the step's ``TreeBatch`` for TREE_ATTN;
@@ -16,6 +16,10 @@ The runner patch (patches/0005) calls in at four points; everything else is here
    positions are restored;
 4. ``DDTreeProposer._sample_draft_tokens``: the drafter's logits become trees (``build_tree``),
    or, where a step asks no more drafts than the spine holds, the greedy chain.
+5. ``DDTreeState.input_fits_in_drafter``: whether the drafter's queries stay within
+   max_model_len, reserving its block past the accepted path (not a verify step).
+
+The proposer also gives the drafter CUDA graph sizes of its own (config.drafter_graph_sizes).
 
 Rows with drafts but no stored tree (placeholders, and structured-output requests, which
 draft the greedy chain) are verified as chains, at most the drafter's depth deep, and so are
@@ -25,16 +29,22 @@ the target's token.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree import ops
+from vllm_ddtree import ops, sampling
 from vllm_ddtree.attention import tree_batch
-from vllm_ddtree.config import deriving_drafter_config, synthetic_rates_per_depth
-from vllm_ddtree.sampling import MinTokens, node_choices, process_node_logits
+from vllm_ddtree.config import (
+    deriving_drafter_config,
+    drafter_graph_sizes,
+    synthetic_rates_per_depth,
+)
+from vllm_ddtree.sampling import MinTokens, node_targets
 from vllm_ddtree.synthetic import SyntheticAcceptance
 from vllm_ddtree.tree import DraftTrees
 
@@ -50,11 +60,35 @@ class DDTreeProposer(DFlashProposer):
         self.ddtree_state = DDTreeState(runner, self.budget, self.depth, self.spine)
         self._roots: torch.Tensor | None = None
         self._num_drafts, self._drafts = self.budget, None  # this step's, set by propose
+        self._own_graph_sizes = False  # set with the graph keys
 
     def _create_draft_vllm_config(self) -> Any:
         # Without this the copy would inherit TREE_ATTN, and the target's trees with it.
         with deriving_drafter_config():
             return super()._create_draft_vllm_config()
+
+    def initialize_cudagraph_keys(self, cudagraph_mode: Any) -> None:
+        # The drafter's own sizes (config.drafter_graph_sizes), in a copy of the
+        # compilation config that only its dispatcher reads.
+        cc = self.compilation_config
+        sizes = drafter_graph_sizes(cc.cudagraph_capture_sizes or [], self.budget + 1,
+                                    self.depth + 1)
+        self._own_graph_sizes = sizes is not None
+        if sizes is not None:
+            view = copy.copy(cc)
+            view.cudagraph_capture_sizes, view.max_cudagraph_capture_size = sizes, sizes[-1]
+            self.cudagraph_dispatcher.compilation_config = view
+        super().initialize_cudagraph_keys(cudagraph_mode)
+
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True,
+                  is_graph_capturing: bool = False, slot_mappings: Any = None) -> None:
+        # vLLM captures the drafter's graphs at the target's sizes: a target size of n
+        # verify steps captures the drafter's graph for n requests.
+        step = self.budget + 1
+        if is_graph_capturing and self._own_graph_sizes and num_tokens % step == 0:
+            num_tokens = num_tokens // step * (self.depth + 1)
+        super().dummy_run(num_tokens, use_cudagraphs=use_cudagraphs,
+                          is_graph_capturing=is_graph_capturing, slot_mappings=slot_mappings)
 
     def propose(self, num_speculative_tokens: int, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, *args, **kwargs) -> torch.Tensor:
@@ -111,6 +145,18 @@ class DDTreeProposer(DFlashProposer):
     def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """At start-up (vllm_ddtree/warmup.py): one tree built from logits as the drafter
+        makes them (its compute_logits: their dtype and layout), so that what the build
+        launches (row_logsumexp on CUDA) compiles now. Not through draft_logits, which
+        tests replace by drafters that read the batch's requests."""
+        hidden = torch.zeros(self.depth, self.hidden_size, dtype=self.dtype, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        roots = torch.zeros(1, dtype=torch.int64, device=self.device)
+        ops.build_tree_from_logits(roots, logits.view(1, self.depth, -1), self.budget,
+                                   self.spine)
+
 
 class DDTreeState:
     def __init__(self, runner: Any, budget: int, depth: int, spine: bool) -> None:
@@ -125,6 +171,7 @@ class DDTreeState:
         self.proposed: DraftTrees | None = None
         self.proposed_rows: dict[str, int] = {}
         self.step: dict[str, torch.Tensor] | None = None
+        self.step_drafts: list[int] | None = None  # this step's drafts per request
         dev, max_reqs, N = runner.device, runner.max_num_reqs, self.num_nodes
         self.node = torch.arange(N, device=dev)
         # The links of the trees drafted last step, field-major so that one index_select
@@ -148,7 +195,10 @@ class DDTreeState:
         self._verified_rows = 0
         self._longest = torch.zeros((), dtype=torch.int32, device=dev)
         self._off_line = torch.zeros((), dtype=torch.int64, device=dev)
-        self._index_line = torch.arange(1, budget + 1, dtype=torch.int32, device=dev)
+        # No path is deeper than the drafter's depth: the verdict (and vLLM's host-side
+        # copy and parse of it) is max_depth + 1 wide, not budget + 1.
+        self.max_depth = min(depth, budget)
+        self._index_line = torch.arange(1, self.max_depth + 1, dtype=torch.int32, device=dev)
         self.last_verdict: ops.Verdict | None = None
         self._kv_groups: list | None = None
         # rejection_sample_method "synthetic" (benchmarking only): drawn paths, not the
@@ -168,6 +218,8 @@ class DDTreeState:
     def prepare_step(self, spec_decode_metadata: Any, num_tokens: int) -> None:
         """After the runner's _prepare_inputs: this step's trees, positions and masks."""
         self.last_verdict = None
+        self.step_drafts = (None if spec_decode_metadata is None
+                            else spec_decode_metadata.num_draft_tokens)
         if spec_decode_metadata is None:
             self.trees.clear()
             self.step = None
@@ -204,6 +256,28 @@ class DDTreeState:
                          next_sibling=next_sibling, valid=valid, qsl=qsl, delta=delta,
                          num_tokens=num_tokens, num_drafts=n, parents=parents, depths=depths)
 
+    def input_fits_in_drafter(self, common_attn_metadata: Any, max_model_len: int) -> bool:
+        """In place of the runner's _input_fits_in_drafter: whether the drafter's queries
+        (the bonus token and tree_depth mask tokens, at the positions after each request's
+        accepted path) stay within max_model_len for the whole batch. vLLM reserves
+        num_speculative_tokens + 1 past every request's scheduled tokens, which for ddtree
+        is tree_budget + 1 past a verify step (which the scheduler already ends before
+        max_model_len): one request within 2 x (tree_budget + 1) tokens of its limit
+        stopped drafting for all. A request's accepted path holds at most tree_depth of its
+        d drafts, so its committed tokens are at most its scheduled ones less
+        max(0, d - tree_depth); which path was accepted is not known on the host yet."""
+        cad, runner = common_attn_metadata, self.runner
+        committed = cad.max_seq_len
+        n = cad.num_reqs
+        if self.step_drafts and n:
+            # Host numpy only (the optimistic seq_lens vLLM builds its metadata from): this
+            # runs inside the step, where a tensor read would be a sync.
+            scheduled = np.diff(runner.query_start_loc.np[:n + 1])
+            seq_lens = runner.input_batch.num_computed_tokens_cpu[:n] + scheduled
+            drafts = np.asarray(self.step_drafts[:n], dtype=np.int64)
+            committed = int((seq_lens - np.maximum(drafts - self.depth, 0)).max())
+        return committed + self.depth + 1 <= max_model_len
+
     def verify(self, logits: torch.Tensor, spec_decode_metadata: Any, hidden_states: Any,
                aux_hidden_states: Any) -> SamplerOutput:
         """Tree verification in place of the rejection sampler, then compaction."""
@@ -217,11 +291,10 @@ class DDTreeState:
         all_rows = torch.arange(logits.shape[0], device=logits.device)
         req = torch.searchsorted(cu_sampled.to(all_rows.dtype), all_rows, right=True)
         node = (all_rows - first_row[req]).clamp(max=self.num_nodes - 1)
-        processed = process_node_logits(
-            logits, req, lambda: step["depths"][req, node],
-            lambda: self._path_tokens()[req, node], len(first_row), sampling_metadata,
+        per_row = node_targets(
+            logits, req, [1 + n for n in drafts], lambda: step["depths"][req, node],
+            lambda: self._path_tokens()[req, node], sampling_metadata,
             self._min_tokens(len(first_row)))
-        per_row = node_choices(processed, req, [1 + n for n in drafts], sampling_metadata)
         rows = first_row[:, None] + self.node
         choice = torch.where(step["valid"], per_row[rows.clamp(max=logits.shape[0] - 1)], -1)
         first_child = step["first_child"]
@@ -230,7 +303,7 @@ class DDTreeState:
                 choice, step["token_ids"], step["parents"], step["depths"], first_child,
                 step["valid"])
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
-            step["token_ids"], first_child, step["next_sibling"], choice, self.budget))
+            step["token_ids"], first_child, step["next_sibling"], choice, self.max_depth))
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(logits, first_row, verdict,
@@ -292,18 +365,25 @@ class DDTreeState:
         vLLM drops the -1 padding's rows): token j of a request was chosen at its accepted
         path's node j - 1 (the root for j = 0), so its logits row is that node's. Raw
         logprobs or logits, as the sampler's logprobs_mode says (ddtree's config refuses
-        the processed modes)."""
+        the processed modes). Up to max_num_batched_tokens rows (R x (max_depth + 1)):
+        gathered and scored sampling.CHUNK_ROWS at a time."""
+        from vllm.v1.outputs import LogprobsTensors
+
         sampler = self.runner.sampler
-        width = min(self.depth, verdict.accepted.shape[1]) + 1  # no path is deeper
         path = torch.cat([verdict.accepted.new_zeros(len(first_row), 1),
-                          verdict.accepted[:, :width - 1]], dim=1).clamp(min=0)
+                          verdict.accepted], dim=1).clamp(min=0)
         rows = (first_row[:, None] + path).flatten().clamp(max=logits.shape[0] - 1)
-        scores = logits[rows].float()
-        if sampler.logprobs_mode == "raw_logprobs":
-            scores = sampler.compute_logprobs(scores)
-        tokens = verdict.output_tokens[:, :width].flatten().clamp(min=0)
-        full = sampler.gather_logprobs(scores, num_logprobs, tokens)
-        return _pad_rows(full, len(first_row), width, verdict.output_tokens.shape[1])
+        tokens = verdict.output_tokens.flatten().clamp(min=0)
+        parts = []
+        for s in range(0, len(rows), sampling.CHUNK_ROWS):
+            chunk = slice(s, s + sampling.CHUNK_ROWS)
+            scores = logits[rows[chunk]].float()
+            if sampler.logprobs_mode == "raw_logprobs":
+                scores = sampler.compute_logprobs(scores)
+            parts.append(sampler.gather_logprobs(scores, num_logprobs, tokens[chunk]))
+        return LogprobsTensors(*(torch.cat([getattr(part, field) for part in parts])
+                                 for field in ("logprob_token_ids", "logprobs",
+                                               "selected_token_ranks")))
 
     def _count(self, verdict: ops.Verdict) -> None:
         self.last_verdict = verdict
@@ -358,18 +438,3 @@ def _structured(runner: Any, req_id: str) -> bool:
     state = runner.requests.get(req_id)
     return state is not None and getattr(state.sampling_params, "structured_outputs",
                                          None) is not None
-
-
-def _pad_rows(tensors: Any, num_reqs: int, width: int, full_width: int) -> Any:
-    """LogprobsTensors of ``width`` tokens per request, widened with zero rows to the
-    ``full_width`` of the sampled tokens (the padding rows sit under -1 tokens)."""
-    from vllm.v1.outputs import LogprobsTensors
-
-    def widen(t: torch.Tensor) -> torch.Tensor:
-        t = t.view(num_reqs, width, *t.shape[1:])
-        out = t.new_zeros(num_reqs, full_width, *t.shape[2:])
-        out[:, :width] = t
-        return out.flatten(0, 1)
-
-    return LogprobsTensors(widen(tensors.logprob_token_ids), widen(tensors.logprobs),
-                           widen(tensors.selected_token_ranks))

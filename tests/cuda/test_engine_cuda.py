@@ -9,8 +9,10 @@ and dtype, and the eager targets alone that the oracle reads from."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,31 @@ def record_dispatches(llm, monkeypatch) -> list:
     return dispatched
 
 
+# Triton kernels that a ddtree engine compiles at start-up (vllm_ddtree/warmup.py): none
+# may compile while it serves.
+STARTUP_KERNELS = {"_tree_attention_kernel", "_merge_splits", "_row_logsumexp_kernel",
+                   "copy_and_expand_dflash_inputs_kernel"}
+
+
+@contextlib.contextmanager
+def triton_compiles() -> Iterator[list[str]]:
+    """The names of the Triton kernels compiled within (Triton's post-compile hook, which
+    vLLM's JIT monitor uses too)."""
+    from triton import knobs
+
+    names, previous = [], knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(**kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
 def install_oracle(target, monkeypatch, seed: int) -> None:
     from vllm_ddtree.runner import DDTreeProposer
 
@@ -116,7 +143,10 @@ def run_ddtree(pair: Path, target, monkeypatch, dtype: str, mode: str, seed: int
     llm = make_llm(pair, dtype, spec, **engine_kwargs(
         {"compilation_config": {"cudagraph_mode": mode}}, settings))
     dispatched = record_dispatches(llm, monkeypatch)
-    return greedy(llm), llm, dispatched
+    with triton_compiles() as compiled:
+        outputs = greedy(llm)
+    assert not STARTUP_KERNELS & set(compiled), compiled
+    return outputs, llm, dispatched
 
 
 def check_graphs(llm, mode: str, dispatched: list) -> None:
@@ -233,12 +263,15 @@ def test_bfloat16_default_graphs_lossless_on_the_gpu_path(
     assert llm.llm_engine.vllm_config.model_config.dtype == torch.bfloat16
     assert torch.ops.vllm_ddtree.build_tree.default.has_kernel_for_dispatch_key("CUDA")
     dispatched = record_dispatches(llm, monkeypatch)
-    for conc in (1, 8):
-        target = bfloat16_target_on_tree_attn[conc]
-        install_oracle(target, monkeypatch, seed=11 + conc)
-        outputs = greedy(llm, MAX_TOKENS, BF16_PROMPTS[:conc])
-        assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
-            p: t[:MAX_TOKENS] for p, t in target[0].items()}, conc
+    with triton_compiles() as compiled:
+        for conc in (1, 8):
+            target = bfloat16_target_on_tree_attn[conc]
+            install_oracle(target, monkeypatch, seed=11 + conc)
+            outputs = greedy(llm, MAX_TOKENS, BF16_PROMPTS[:conc])
+            assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+                p: t[:MAX_TOKENS] for p, t in target[0].items()}, conc
+    # Start-up built a tree from the drafter's bfloat16 logits; the oracle's are float32.
+    assert not (STARTUP_KERNELS - {"_row_logsumexp_kernel"}) & set(compiled), compiled
     check_tree_attention(llm)
     verify = [(n, run) for n, uniform, run in dispatched if uniform]
     assert {n for n, _ in verify} >= {budget + 1, 8 * (budget + 1)}, verify

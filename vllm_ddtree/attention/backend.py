@@ -9,7 +9,9 @@ and ``tree_batch``), so a uniform verify batch can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,9 +25,26 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
-from vllm_ddtree.attention.triton_tree_attention import tree_attention
+from vllm_ddtree.attention.triton_tree_attention import split_choices, tree_attention
 from vllm_ddtree.ops import compact_tree
 from vllm_ddtree.tree import Verdict
+
+# While warming_up is on: the engine's most tokens and requests per step.
+_warm_up_bounds: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def warming_up(max_num_tokens: int, max_num_reqs: int) -> Iterator[None]:
+    """Within it, each forward first launches the kernel at every split count its layer
+    can pick for steps of up to these sizes (each a variant Triton compiles on its own),
+    with the forward's own arguments: one forward so compiles them all
+    (vllm_ddtree/warmup.py)."""
+    global _warm_up_bounds
+    _warm_up_bounds = (max_num_tokens, max_num_reqs)
+    try:
+        yield
+    finally:
+        _warm_up_bounds = None
 
 
 class TreeAttentionBackend(TreeAttentionFeatures, TritonAttentionBackend):
@@ -111,9 +130,14 @@ class TreeAttentionImpl(TritonAttentionImpl):
         n = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         window = self.sliding_window[0] + 1 if self.sliding_window[0] >= 0 else None
-        tree_attention(query[:n], key_cache, value_cache, output[:n],
-                       attn_metadata.block_table, attn_metadata.seq_lens,
-                       attn_metadata.query_start_loc, attn_metadata.tree_index,
-                       attn_metadata.ancestor_mask, self.scale, sliding_window=window,
-                       sinks=self.sinks, depths=attn_metadata.depths)
+        launch = functools.partial(
+            tree_attention, query[:n], key_cache, value_cache, output[:n],
+            attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.query_start_loc,
+            attn_metadata.tree_index, attn_metadata.ancestor_mask, self.scale,
+            sliding_window=window, sinks=self.sinks, depths=attn_metadata.depths)
+        if _warm_up_bounds is not None:  # start-up: the split variants later steps pick
+            for splits in split_choices(query.dtype, query.shape[1], key_cache.shape[2],
+                                        window is not None, *_warm_up_bounds, query.device):
+                launch(num_splits=splits)
+        launch()
         return output

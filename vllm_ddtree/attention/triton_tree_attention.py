@@ -32,7 +32,7 @@ import triton.language as tl
 
 # Tile sizes of the default launch: on an H200 (Qwen3-8B's heads, bf16) 64 x 64 was the
 # fastest or near it of the swept tiles once the context loop lost its mask work, up to 3.7x
-# faster than 16 x 32 (scripts/bench_tree_attention.py, README).
+# faster than 16 x 32 (scripts/bench_tree_attention.py, docs/benchmarks.md).
 BLOCK_M = 64  # rows (query token, query head) per program
 TILE_N = 64  # keys per loop step, across page boundaries
 # Smaller tiles where 64 x 64 does not pay: with a sliding window a query reads few keys
@@ -270,6 +270,34 @@ def auto_splits(programs: int, device: torch.device) -> int:
     return splits
 
 
+def _rows_per_program(block_m: int, queries_per_kv: int) -> tuple[int, int]:
+    """(block_m, block_q): block_m widened to hold a KV head's query heads, and the query
+    tokens that many rows take."""
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    return block_m, block_m // queries_per_kv
+
+
+def _query_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:
+    """A launch's programs per KV head: each request's query tiles start at a tile
+    boundary, so each request may add one partial tile."""
+    return triton.cdiv(num_tokens, block_q) + num_reqs
+
+
+def split_choices(dtype: torch.dtype, num_heads: int, num_kv_heads: int, windowed: bool,
+                  max_tokens: int, max_reqs: int, device: torch.device) -> list[int]:
+    """Every num_splits a launch that names none (the backend's) can pick for a layer of
+    this shape, over batches of 1..max_tokens tokens in 1..max_reqs requests: the split
+    variants (each a kernel of its own) that a warm-up compiles."""
+    block_m, _, splits = default_launch(dtype, windowed)
+    if splits is not None:
+        return [splits]
+    _, block_q = _rows_per_program(block_m, num_heads // num_kv_heads)
+    # A step holds a token at least: 2 query tiles, and every count up to the most (more
+    # tokens or more requests add one at a time).
+    most = _query_tiles(max_tokens, min(max_tokens, max_reqs), block_q)
+    return sorted({auto_splits(tiles * num_kv_heads, device) for tiles in range(2, most + 1)})
+
+
 def tree_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
@@ -314,9 +342,8 @@ def tree_attention(
             raise ValueError(f"tree_attention: argument '{name}' must be a power of 2 of at "
                              f"least 16, got {tile}")
     queries_per_kv = num_heads // num_kv_heads
-    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
-    block_q = block_m // queries_per_kv
-    programs = (triton.cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads
+    block_m, block_q = _rows_per_program(block_m, queries_per_kv)
+    programs = _query_tiles(num_tokens, num_reqs, block_q) * num_kv_heads
     if num_splits is None:
         num_splits = default_splits or auto_splits(programs, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
@@ -336,8 +363,12 @@ def tree_attention(
         depths = ancestor_mask.new_zeros(1, 1)
     head = triton.next_power_of_2(head_size)
     if num_splits > 1:
-        part = query.new_empty(num_splits, num_tokens * num_heads, head, dtype=torch.float32)
-        part_lse = query.new_empty(num_splits, num_tokens * num_heads, dtype=torch.float32)
+        # Rows padded to a multiple of 16: the partial results' strides are kernel
+        # arguments, which Triton specializes on divisibility by 16; unpadded, a batch
+        # size of another residue would compile another variant mid-serving.
+        rows = max(triton.cdiv(num_tokens * num_heads, 16), 1) * 16
+        part = query.new_empty(num_splits, rows, head, dtype=torch.float32)
+        part_lse = query.new_empty(num_splits, rows, dtype=torch.float32)
     else:  # unused
         part = part_lse = query.new_empty(1, 1, dtype=torch.float32)
     grid = (programs // num_kv_heads, num_kv_heads, num_splits)

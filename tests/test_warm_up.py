@@ -1,0 +1,179 @@
+"""No Triton kernel of ours compiles once the engine serves: start-up (vllm_ddtree/warmup.py)
+launches every configuration a real step can launch. Launches are compared by the key
+Triton's CUDA JIT compiles them under (tests/jit_keys.py), worked out on CPU: the tree
+kernel and its merge on Triton's interpreter, with split counts chosen as on a GPU of 8
+multiprocessors (off CUDA nothing is split), the log-sum-exp kernel taken on CPU as on
+CUDA, and vLLM's DFlash input copy through vLLM's CPU override."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jit_keys
+import pytest
+import torch
+from test_ddtree_engine import (
+    PROMPTS,
+    cuda_tree_attn_on_cpu,  # noqa: F401  (a fixture)
+    ddtree_state,
+    other_target_pair,
+)
+
+HEADS, KV_HEADS, HEAD_SIZE, PAGE, BUDGET = 8, 2, 64, 16, 15
+
+
+@pytest.fixture
+def gpu_split_counts(monkeypatch) -> None:
+    """auto_splits as on a GPU of 8 multiprocessors: 1, 2 and 4 splits within small
+    batches."""
+    from vllm_ddtree.attention import triton_tree_attention as tta
+
+    auto = tta.auto_splits
+    monkeypatch.setattr(tta, "_multiprocessors", lambda device: 8)
+    monkeypatch.setattr(tta, "auto_splits",
+                        lambda programs, device: auto(programs, torch.device("cuda")))
+
+
+def record_launches(monkeypatch, execute: bool = True) -> list:
+    from vllm_ddtree import row_logsumexp
+    from vllm_ddtree.attention import triton_tree_attention as tta
+
+    return jit_keys.record_launches(monkeypatch, {
+        "attention": tta._tree_attention_kernel, "merge": tta._merge_splits,
+        "logsumexp": row_logsumexp._row_logsumexp_kernel}, execute)
+
+
+def split_counts(launches: list, windowed: bool | None = None) -> set[int]:
+    return {jit_keys.constexpr(key, "NUM_SPLITS") for name, key in launches
+            if name == "attention" and windowed in (None, jit_keys.constexpr(key, "HAS_WINDOW"))}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (None, True), (6, True)])
+@pytest.mark.usefixtures("gpu_split_counts")
+def test_warm_up_forward_launches_exactly_what_steps_launch(monkeypatch, dtype, window,
+                                                            with_sinks) -> None:
+    # The backend's forward over every batch shape up to 160 tokens in 8 requests (tree
+    # buffers as the runner installs them, padded queries as vLLM pads batches) launches
+    # exactly the configurations that one forward of one token launches under
+    # warming_up(160, 8): each split count auto_splits picks (1, 2 and 4; none with a
+    # window) with its merge, and no other key (a batch size changes no other argument's
+    # specialization). The kernels are not run.
+    from vllm_ddtree.attention import backend, tree_batch
+
+    max_tokens, max_reqs = 160, 8
+    launches = record_launches(monkeypatch, execute=False)
+    sinks = torch.linspace(-2.0, 3.0, HEADS) if with_sinks else None
+    impl = backend.TreeAttentionImpl(HEADS, HEAD_SIZE, 0.125, KV_HEADS, None, window, "auto",
+                                     sinks=sinks)
+    kv_cache = torch.zeros(8, KV_HEADS, PAGE, 2 * HEAD_SIZE, dtype=dtype)
+    trees = tree_batch.TreeBatch(max_reqs, BUDGET, "cpu")
+    block_table = torch.zeros(max_reqs, 16, dtype=torch.int32)
+    seq_lens = torch.zeros(max_reqs, dtype=torch.int32)
+    query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32)
+
+    def step(num_tokens: int, num_reqs: int) -> None:
+        query = torch.empty(num_tokens + 3, HEADS, HEAD_SIZE, dtype=dtype)
+        metadata = backend.TreeAttentionMetadata(
+            num_actual_tokens=num_tokens, query_start_loc=query_start_loc[:num_reqs + 1],
+            seq_lens=seq_lens[:num_reqs], block_table=block_table[:num_reqs],
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+            tree_index=trees.tree_index[:num_reqs], ancestor_mask=trees.ancestor_mask,
+            depths=trees.depths)
+        impl.forward(None, query, None, None, kv_cache, metadata, torch.empty_like(query))
+
+    with backend.warming_up(max_tokens, max_reqs):
+        step(1, 1)
+    start_up = set(launches)
+    launches.clear()
+    for num_reqs in range(1, max_reqs + 1):
+        for num_tokens in range(num_reqs, max_tokens + 1):
+            step(num_tokens, num_reqs)
+    assert set(launches) == start_up
+    assert split_counts(launches) == ({1} if window else {1, 2, 4})
+    assert any(name == "merge" for name, _ in launches) == (window is None)
+
+
+def test_split_choices_span_the_engine_bounds(monkeypatch) -> None:
+    # 64 x 64 tiles (bf16) and 4 query heads per KV head: 16 tokens a query tile, 2 KV
+    # heads. On 8 multiprocessors (4 programs each) up to 8 tiles get 2 or more splits, 2
+    # and 3 tiles 4 splits; a step has 2 tiles at least (1 token, 1 request). A window is
+    # never split, nor is anything off CUDA.
+    from vllm_ddtree.attention import triton_tree_attention as tta
+
+    monkeypatch.setattr(tta, "_multiprocessors", lambda device: 8)
+    cuda = torch.device("cuda")
+    assert tta.split_choices(torch.bfloat16, 8, 2, False, 8192, 256, cuda) == [1, 2, 4]
+    assert tta.split_choices(torch.bfloat16, 8, 2, False, 112, 1, cuda) == [2, 4]  # 8 tiles
+    assert tta.split_choices(torch.bfloat16, 8, 2, False, 128, 1, cuda) == [1, 2, 4]
+    assert tta.split_choices(torch.bfloat16, 8, 2, False, 32, 1, cuda) == [4]  # 2..3 tiles
+    assert tta.split_choices(torch.bfloat16, 8, 2, True, 8192, 256, cuda) == [1]
+    assert tta.split_choices(torch.bfloat16, 8, 2, False, 8192, 256,
+                             torch.device("cpu")) == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("gpu_split_counts", "cuda_tree_attn_on_cpu")
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_engine_start_up_launches_every_configuration_steps_launch(
+        tiny_models: Path, tmp_path: Path, monkeypatch, family) -> None:
+    """The engine with TREE_ATTN's CUDA backend on the interpreter: every key the tree
+    kernel, its merge and the log-sum-exp kernel are launched under in real steps (batches
+    of 4 down to 1 request, so 1, 2 and 4 splits) was launched at start-up, before the first
+    request; for gpt-oss, its windowed layers' too. And every key DFlash's input copy is
+    called under was registered with vLLM's JIT warm-up (which compiles them on a GPU),
+    which DFlash's own registration (the budget, an unset block size) misses."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.model_executor.warmup import jit_warmup_triton_helper
+    from vllm.v1.spec_decode import dflash, utils
+
+    from vllm_ddtree import tree
+
+    cleanup_dist_env_and_memory()  # gpt-oss's experts need their own parallel group
+    pair = tiny_models if family == "qwen3" else other_target_pair(tiny_models, tmp_path,
+                                                                   family)
+    monkeypatch.setattr(tree, "LOGSUMEXP_KERNEL_DEVICES", ("cuda", "cpu"))
+    launches = record_launches(monkeypatch)
+    spec = {"method": "ddtree", "model": str(pair / "drafter"), "tree_budget": 16}
+    llm = LLM(model=str(pair / "target"), enforce_eager=True, max_model_len=512, seed=0,
+              dtype="float32", max_num_seqs=4, speculative_config=spec)
+    start_up = launches[:]
+    copy, copies = utils._copy_and_expand_dflash_inputs, []
+
+    def record_copy(**kwargs):
+        copies.append(kwargs)
+        return copy(**kwargs)
+    monkeypatch.setattr(dflash, "_copy_and_expand_dflash_inputs", record_copy)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (3, 6, 9, 12)]
+    llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    steps = launches[len(start_up):]
+    for name in ("attention", "merge", "logsumexp"):
+        assert {k for n, k in steps if n == name} <= {k for n, k in start_up if n == name}
+    # Every split count the engine's batches can pick was compiled, not only those seen.
+    assert split_counts(start_up, windowed=False) == {1, 2, 4}
+    assert split_counts(start_up, windowed=True) == ({1} if family == "gpt-oss" else set())
+    assert len(split_counts(steps)) > 1 and any(n == "merge" for n, _ in steps)
+    assert any(n == "logsumexp" for n, _ in steps)
+
+    # DFlash's input copy: real calls' keys among the registered warm-up's.
+    key = jit_keys.cuda_key_function(jit_keys.vllm_kernel(
+        utils, "copy_and_expand_dflash_inputs_kernel"))
+
+    def call_key(kwargs: dict):
+        launch = copy._dispatch_fn(**kwargs)[1]
+        return key(**copy._prepare_launch_kwargs(tuple(kwargs), tuple(kwargs.values()),
+                                                 dict(launch)))
+    called = {call_key(kwargs) for kwargs in copies}
+    runner = ddtree_state(llm).runner
+    assert {kwargs["num_speculative_tokens"] for kwargs in copies} == {runner.drafter.depth}
+    monkeypatch.setattr(jit_warmup_triton_helper, "_triton_key_deriver",
+                        lambda _: lambda kwargs: {key(**kwargs)})
+    registered = {True: set(), False: set()}  # by: registered by vllm_ddtree (a block size)
+    for _, kwargs in runner.jit_warmup_registry._registrations[copy]:
+        registered[kwargs["block_size"] > 0] |= {k for ck in copy.get_warmup_keys(**kwargs)
+                                                 for k in ck.jit_keys}
+    assert called <= registered[True]
+    assert registered[False] and not called & registered[False]
+

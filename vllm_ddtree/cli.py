@@ -1,4 +1,5 @@
-"""``vllm-ddtree``: the project's command line (for now, the patch series tool)."""
+"""``vllm-ddtree``: the project's command line: the patch series tool (``patches``) and the
+install's checks (``doctor``)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,17 @@ def _parser() -> argparse.ArgumentParser:
                          help="the series folder (default: this checkout's patches/)")
     patches.add_argument("--force", action="store_true",
                          help="revert even files edited after apply")
+    sub.add_parser("doctor", help="check the install (vLLM and the pin, the series, the native "
+                   "ops, TREE_ATTN, the device) and say how to fix what fails")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.group == "doctor":
+        from vllm_ddtree import selfcheck
+
+        return selfcheck.main(prog="vllm-ddtree doctor")
     try:
         root = args.root or installed_vllm_root()
         series_dir = args.patches_dir or patches_dir()

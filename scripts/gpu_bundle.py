@@ -22,7 +22,7 @@ scripts/gpu_check.sh stages the parts (vllm_ddtree.bundle.stage); its header say
 carry them.
 
   scripts/gpu_bundle.py                 # OUT = .gpu-bundle (git ignores it)
-  scripts/gpu_bundle.py --part-mib 20 --command-mib 40
+  scripts/gpu_bundle.py --part-mib 20 --command-mib 40  # (default: what the tree leaves)
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import argparse
 import hashlib
 import io
 import json
+import math
+import os
 import subprocess
 import sys
 import tarfile
@@ -233,16 +235,28 @@ def write_bundle(out: Path, comps: dict[str, tuple[str, bytes]], key: str, part_
     return manifest
 
 
+def default_command_mib(carried_mib: int = 64, margin_mib: int = 4) -> float:
+    """What a device command can carry beside the working tree (the files git tracks or
+    does not ignore travel with every command), in whole MiB so that small edits to the
+    tree do not change the bundle."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    tree = sum((REPO / os.fsdecode(name)).stat().st_size for name in listed
+               if name and (REPO / os.fsdecode(name)).is_file())
+    return float(math.floor(carried_mib - tree / MIB - margin_mib))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-bundle")
     parser.add_argument("--part-mib", type=float, default=28.0,
                         help="largest part (default 28)")
-    parser.add_argument("--command-mib", type=float, default=56.0,
-                        help="parts one command carries, at most (default 56: 8 MiB of the "
-                             "64 a command carries are left for the working tree)")
+    parser.add_argument("--command-mib", type=float, default=None,
+                        help="parts one command carries, at most (default: the 64 MiB a "
+                             "command carries less this working tree and 4 MiB, in whole MiB)")
     args = parser.parse_args(argv)
-    manifest = build(args.out, args.part_mib, args.command_mib)
+    command_mib = args.command_mib or default_command_mib()
+    manifest = build(args.out, args.part_mib, command_mib)
     for cmd in manifest["commands"]:
         print(f"command {cmd['number']}: carry {cmd['carry']} ({cmd['mib']} MiB: "
               f"{', '.join(cmd['parts'])})")

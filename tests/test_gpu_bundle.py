@@ -216,3 +216,14 @@ def test_gpu_check_stops_and_names_what_the_next_command_brings(tmp_path: Path) 
     assert "setup.py" not in calls.read_text()  # nothing built
     assert sorted(p.name for p in (tmp_path / "work" / "parts").iterdir()) == sorted(
         manifest["commands"][0]["parts"])
+
+
+def test_a_command_carries_the_parts_beside_the_working_tree() -> None:
+    """By default a command's parts leave room for what travels with every command (the
+    files git tracks or does not ignore) within the 64 MiB a command carries."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    tree = sum((REPO / n).stat().st_size for n in listed if n and (REPO / n).is_file())
+    mib = gpu_bundle.default_command_mib()
+    assert mib == int(mib) and 0 < mib * MIB + tree <= (64 - 4) * MIB
+    assert mib * MIB + tree > (64 - 4 - 1) * MIB  # no more than one MiB given away

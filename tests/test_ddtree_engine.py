@@ -356,6 +356,7 @@ def test_dynamic_speculative_decoding_cuts_trees_losslessly(
     llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
               seed=0, dtype="float32", max_num_seqs=8, disable_log_stats=False,
               speculative_config=spec)
+    builds.clear()  # start-up's warm-up builds one tree (vllm_ddtree/warmup.py)
     outputs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m,
                                                     ignore_eos=True) for m in lengths],
                            use_tqdm=False)

@@ -105,7 +105,7 @@ def test_expand_batch_to_tokens_keeps_every_dtype() -> None:
         for dtype in (torch.float32, torch.int32, torch.int64):
             x = torch.tensor(values).to(dtype)
             got = expand_batch_to_tokens(x, cu, 5, replace_from=0, replace_to=1)
-            want = torch.tensor([x[0], x[0], 1, 1, 1], dtype=dtype)
+            want = torch.cat([x[:1].repeat(2), torch.ones(3, dtype=dtype)])
             assert got.dtype == dtype and torch.equal(got, want), (dtype, got)
 
 

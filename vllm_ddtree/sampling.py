@@ -88,6 +88,8 @@ def node_targets(logits: torch.Tensor, request: torch.Tensor, num_sampled: list[
     starts = list(accumulate(num_sampled, initial=0))
     rules = _Processing.make(logits, node_depth, path_tokens, len(num_sampled), sm,
                              min_tokens)
+    if rules is None and sm.all_greedy:  # an argmax copies nothing: no chunks needed
+        return logits.argmax(dim=-1)
     seeded = {} if sm.all_greedy else {r: g for r, g in sm.generators.items()
                                        if r < len(num_sampled)}
     noise = _Noise(starts, seeded, logits.shape[-1], logits.device)

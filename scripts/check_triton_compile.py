@@ -3,11 +3,12 @@
 
 The CPU tests run the kernels under Triton's interpreter, which accepts code that the GPU
 compiler rejects and knows no shared-memory limit. This runs each kernel's own Python
-launcher (the tree-attention and log-sum-exp wrappers) on CPU tensors shaped as the backend
-and the benchmark launch them, catches the launches instead of running them, and compiles
-each with Triton's compiler for Hopper (sm_90) and Blackwell (sm_100) down to a cubin. A
-compile error, or shared memory over a block's 227 KiB, fails it. Registers and stack (spill)
-bytes per thread are printed, from Triton's cuobjdump, to read beside the GPU benchmark.
+launcher (the tree-attention, log-sum-exp and tree Gated DeltaNet wrappers) on CPU tensors
+shaped as the backend and the benchmark launch them, catches the launches instead of running
+them, and compiles each with Triton's compiler for Hopper (sm_90) and Blackwell (sm_100)
+down to a cubin. A compile error, or shared memory over a block's 227 KiB, fails it.
+Registers and stack (spill) bytes per thread are printed, from Triton's cuobjdump, to read
+beside the GPU benchmark.
 
     .venv/bin/python scripts/check_triton_compile.py [--targets 90,100]
 """
@@ -114,6 +115,34 @@ def row_logsumexp_launches() -> list:
     return launches
 
 
+def tree_gdn_launches() -> list:
+    """The tree Gated DeltaNet kernels at Qwen3.5 / Qwen3-Next shapes (16 key and 32 or 48
+    value heads of 128, conv width 4) and a small one, in bf16 and fp32, budget 64 at depth
+    15; the recurrent state in fp32 or bf16."""
+    from vllm_ddtree.recurrent import triton_tree_gdn as tg
+
+    names = ("_tree_conv_kernel", "_tree_gdn_kernel", "_commit_gdn_kernel",
+             "_commit_conv_kernel")
+    with caught_launches(tg, *names) as launches:
+        for dtype, state_dtype, (hk, hv, d) in itertools.product(
+                (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                ((16, 32, 128), (16, 48, 128), (2, 4, 64))):
+            rows, reqs, conv = 4 * 65, 4, 2 * hk * d + hv * d
+            idx = torch.zeros(rows, dtype=torch.int64)
+            paths, slots = torch.zeros(reqs, 16, dtype=torch.int64), idx[:reqs]
+            x = torch.empty(rows, conv, dtype=dtype)
+            conv_state = torch.empty(8, conv, 3, dtype=dtype)
+            q, k = torch.empty(rows, hk, d, dtype=dtype), torch.empty(rows, hk, d, dtype=dtype)
+            v, g = torch.empty(rows, hv, d, dtype=dtype), torch.empty(rows, hv)
+            state = torch.empty(8, hv, d, d, dtype=state_dtype)
+            tg.tree_conv(x, torch.empty(conv, 4, dtype=dtype), None, conv_state, idx, idx,
+                         offsets=idx)
+            tg.tree_gdn(q, k, v, g, g, state, idx, idx, d ** -0.5, max_depth=15)
+            tg.commit_gdn(state, k, v, g, g, paths, slots, slots)
+            tg.commit_conv(conv_state, x, paths, slots, 4, read_at=slots, write_at=slots)
+    return launches
+
+
 def resource_usage(cubin: bytes) -> str:
     """``REG:n STACK:n`` of a cubin, from the cuobjdump that Triton ships ('' without it)."""
     import triton
@@ -140,7 +169,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     seen, failures = set(), []
-    launches = tree_attention_launches() + row_logsumexp_launches()
+    launches = tree_attention_launches() + row_logsumexp_launches() + tree_gdn_launches()
     for (fn, call_args, kwargs), arch in itertools.product(
             launches, (int(t) for t in args.targets.split(","))):
         options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}

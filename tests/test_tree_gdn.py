@@ -122,7 +122,7 @@ def test_commit_replays_the_accepted_path(impl: str, seed: int) -> None:
     xc = torch.randn(T, C, generator=g)
     conv_state = torch.randn(len(trees) + 3, C, W - 1, generator=g)
     conv_after = conv_state.clone()
-    IMPLS[impl].commit_conv(conv_after, xc, paths, slots)
+    IMPLS[impl].commit_conv(conv_after, xc, paths, slots, W)
     others = [s for s in range(len(trees) + 3) if s not in batch.request_slots]
     assert torch.equal(state[others], x["state"][others])
     assert torch.equal(conv_after[others], conv_state[others])
@@ -154,3 +154,51 @@ def test_verify_then_commit_continues_the_chain(impl: str) -> None:
     want, _ = ref.gdn_chain(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"],
                             x["state"][slot], 0.25)
     torch.testing.assert_close(got[0].double(), want[-1], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_offsets_into_the_widened_buffers(impl: str) -> None:
+    """vLLM's layout under speculation: one conv buffer of W - 1 + extra columns per request,
+    read at the last accepted token's column, and several state slots per request; the tree
+    reads the window at its offset and the state in its slot, and the commit writes the new
+    window and state where the next step reads them."""
+    trees, batch, x, g = make("mixed batch", SHAPES["one head"], seed=11)
+    R, W, extra, C = len(trees), 4, 6, 10
+    T = batch.parents.numel()
+    xc = torch.randn(T, C, generator=g)
+    weight = torch.randn(C, W, generator=g)
+    buf = torch.randn(R + 3, C, W - 1 + extra, generator=g)
+    read = torch.randint(0, extra + 1, (R,), generator=g)
+    request_of_row = torch.repeat_interleave(torch.arange(R), torch.tensor(batch.sizes))
+    slots = torch.tensor(batch.request_slots)
+    got = IMPLS[impl].tree_conv(xc, weight, None, buf, batch.parents, batch.slots,
+                                offsets=read[request_of_row])
+    windows = torch.stack([buf[s, :, o:o + W - 1] for s, o in zip(batch.request_slots,
+                                                                 read.tolist())])
+    plain = torch.zeros(R + 3, C, W - 1)
+    plain[slots] = windows
+    want = ref.tree_conv(xc, weight, None, plain, batch.parents, batch.slots)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+    paths = paths_of(batch, [random_path(t, g) for t in trees])
+    write = torch.randint(0, extra + 1, (R,), generator=g)
+    after = buf.clone()
+    IMPLS[impl].commit_conv(after, xc, paths, slots, W, read_at=read, write_at=write)
+    for r, (slot, o, w) in enumerate(zip(batch.request_slots, read.tolist(), write.tolist())):
+        rows = paths[r][paths[r] >= 0]
+        new = torch.cat([buf[slot, :, o:o + W - 1], xc[rows].T], 1)[:, -(W - 1):]
+        assert torch.equal(after[slot, :, w:w + W - 1], new)
+        untouched = [c for c in range(W - 1 + extra) if not w <= c < w + W - 1]
+        assert torch.equal(after[slot, :, untouched], buf[slot, :, untouched])
+
+    free = [s for s in range(R + 3) if s not in batch.request_slots]
+    dst = torch.tensor([free[0], *batch.request_slots[1:]])  # one moves, the others stay
+    state = x["state"].clone()
+    IMPLS[impl].commit_gdn(state, x["k"], x["v"], x["g"], x["beta"], paths, slots, dst)
+    for r, (slot, d) in enumerate(zip(batch.request_slots, dst.tolist())):
+        rows = paths[r][paths[r] >= 0]
+        _, want = ref.gdn_chain(x["q"][rows], x["k"][rows], x["v"][rows], x["g"][rows],
+                                x["beta"][rows], x["state"][slot], 1.0)
+        torch.testing.assert_close(state[d].double(), want, atol=2e-5, rtol=2e-5)
+        if d != slot:
+            assert torch.equal(state[slot], x["state"][slot])

@@ -33,9 +33,11 @@ def ancestor_table(parents: torch.Tensor, depth: int) -> torch.Tensor:
 
 
 def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              conv_state: torch.Tensor, parents: torch.Tensor, slots: torch.Tensor
-              ) -> torch.Tensor:
-    """SiLU(causal depthwise conv) of each row over its path: ``[T, C]`` in x's dtype."""
+              conv_state: torch.Tensor, parents: torch.Tensor, slots: torch.Tensor,
+              offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of each row over its path: ``[T, C]`` in x's dtype. The
+    committed window of row t is ``conv_state[slots[t], :, offsets[t]:][:, :W - 1]`` (vLLM's
+    widened buffer, read at the last accepted token; offsets None: 0)."""
     T, C = x.shape
     W = weight.shape[1]
     anc = ancestor_table(parents, W - 1)  # [T, W], by lag
@@ -44,6 +46,8 @@ def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # A lag past the root reads the committed window (oldest first): lag depth + 1 is its
     # newest entry.
     hist_at = (W - 1 - (torch.arange(W, device=x.device) - depth)).clamp(0, W - 2)
+    if offsets is not None:
+        hist_at = hist_at + offsets[:, None]
     hist = conv_state[slots].gather(2, hist_at[:, None, :].expand(T, C, W)).transpose(1, 2)
     inputs = torch.where(valid[..., None], x[anc.clamp(min=0)], hist).float()  # [T, W, C]
     out = (inputs * weight.flip(1).T.float()).sum(1)  # weight[:, W - 1] takes lag 0
@@ -105,22 +109,31 @@ def _one_tree(q, k, v, g, beta, S0, parents, scale, l2norm, group) -> torch.Tens
 
 
 def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
-                slots: torch.Tensor) -> None:
+                slots: torch.Tensor, width: int, read_at: torch.Tensor | None = None,
+                write_at: torch.Tensor | None = None) -> None:
     """Append each request's accepted rows ``paths [R, P]`` (root first, -1 after the
-    last) to its conv window ``conv_state[slots]``, in place."""
+    last) to its conv window: the ``width - 1`` columns of ``conv_state[slots]`` from
+    ``read_at``, stored back from ``write_at`` (both None: 0), in place."""
     R, P = paths.shape
-    W1 = conv_state.shape[2]
+    W1, C, dev = width - 1, x.shape[1], x.device
+    cols = torch.arange(W1, device=dev)
+    read = cols if read_at is None else read_at[:, None] + cols
+    write = cols if write_at is None else write_at[:, None] + cols
+    old = conv_state[slots].gather(2, read.expand(R, W1)[:, None, :].expand(R, C, W1))
+    seq = torch.cat([old, x[paths.clamp(min=0)].transpose(1, 2).to(old.dtype)], 2)
     length = (paths >= 0).sum(1, keepdim=True)
-    seq = torch.cat([conv_state[slots], x[paths.clamp(min=0)].transpose(1, 2)], 2)
-    at = (length + torch.arange(W1, device=x.device))[:, None, :].expand(R, x.shape[1], W1)
-    conv_state[slots] = seq.gather(2, at).to(conv_state.dtype)
+    window = seq.gather(2, (length + cols)[:, None, :].expand(R, C, W1))
+    buf = conv_state[slots]
+    buf.scatter_(2, write.expand(R, W1)[:, None, :].expand(R, C, W1), window)
+    conv_state[slots] = buf
 
 
 def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, paths: torch.Tensor, slots: torch.Tensor,
-               l2norm: bool = True) -> None:
+               dst_slots: torch.Tensor | None = None, l2norm: bool = True) -> None:
     """Replay each request's accepted rows ``paths [R, P]`` from its committed state
-    ``state[slots]`` and store the state after the last one there, in place."""
+    ``state[slots]`` and store the state after the last one in ``state[dst_slots]``
+    (None: the same slots), in place."""
     S = state[slots].float()  # [R, H, K, V]
     group = v.shape[1] // k.shape[1]
     for j in range(paths.shape[1]):
@@ -134,4 +147,4 @@ def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         err = v[row].float() - torch.einsum("rhk,rhkv->rhv", kj, Sd)
         Sn = Sd + torch.einsum("rhk,rhv->rhkv", kj, beta[row].float()[..., None] * err)
         S = torch.where(valid, Sn, S)
-    state[slots] = S.to(state.dtype)
+    state[slots if dst_slots is None else dst_slots] = S.to(state.dtype)

@@ -26,13 +26,17 @@ BLOCK_V = 32  # value columns per program: a [K, 32] fp32 state tile in register
 
 
 @triton.jit
-def _tree_conv_kernel(X, Wt, Bias, ConvState, Out, parents, slots, C,
+def _tree_conv_kernel(X, Wt, Bias, ConvState, Out, parents, slots, offsets, C,
                       stride_xt, stride_wc, stride_sn, stride_sc, stride_sw, stride_ot,
-                      WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                      WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                      BLOCK: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < C
     slot = tl.load(slots + t).to(tl.int64)
+    first = 0
+    if HAS_OFFSETS:
+        first = tl.load(offsets + t)
     acc = tl.zeros([BLOCK], tl.float32)
     if HAS_BIAS:
         acc += tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
@@ -46,7 +50,8 @@ def _tree_conv_kernel(X, Wt, Bias, ConvState, Out, parents, slots, C,
         else:
             past += 1
             xv = tl.load(ConvState + slot * stride_sn + offs * stride_sc
-                         + (WIDTH - 1 - past) * stride_sw, mask=ok, other=0.0).to(tl.float32)
+                         + (first + WIDTH - 1 - past) * stride_sw, mask=ok,
+                         other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * xv
     out = acc / (1.0 + tl.exp(-acc))  # SiLU
     tl.store(Out + t * stride_ot + offs, out.to(Out.dtype.element_ty), mask=ok)
@@ -110,7 +115,7 @@ def _tree_gdn_kernel(Q, Kp, Vp, G, Beta, State, Out, parents, slots, scale, Kdim
 
 
 @triton.jit
-def _commit_gdn_kernel(Kp, Vp, G, Beta, State, paths, slots, P, Kdim, Vdim,
+def _commit_gdn_kernel(Kp, Vp, G, Beta, State, paths, slots, dst_slots, P, Kdim, Vdim,
                        stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                        stride_sn, stride_sh, stride_sk, stride_sv, stride_pr,
                        GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -120,11 +125,10 @@ def _commit_gdn_kernel(Kp, Vp, G, Beta, State, paths, slots, P, Kdim, Vdim,
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
     k_ok, v_ok = offs_k < Kdim, offs_v < Vdim
-    slot = tl.load(slots + r).to(tl.int64)
-    ptrs = (State + slot * stride_sn + h * stride_sh + offs_k[:, None] * stride_sk
-            + offs_v[None, :] * stride_sv)
+    tile = h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
     tile_ok = k_ok[:, None] & v_ok[None, :]
-    hs = tl.load(ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+    hs = tl.load(State + tl.load(slots + r).to(tl.int64) * stride_sn + tile, mask=tile_ok,
+                 other=0.0).to(tl.float32)
     for j in range(P):
         node = tl.load(paths + r * stride_pr + j).to(tl.int64)
         if node >= 0:
@@ -134,13 +138,15 @@ def _commit_gdn_kernel(Kp, Vp, G, Beta, State, paths, slots, P, Kdim, Vdim,
             g = tl.load(G + node * stride_gt + h).to(tl.float32)
             beta = tl.load(Beta + node * stride_bt + h).to(tl.float32)
             hs = _delta_step(hs, k, v, g, beta)
-    tl.store(ptrs, hs.to(State.dtype.element_ty), mask=tile_ok)
+    tl.store(State + tl.load(dst_slots + r).to(tl.int64) * stride_sn + tile,
+             hs.to(State.dtype.element_ty), mask=tile_ok)
 
 
 @triton.jit
-def _commit_conv_kernel(X, ConvState, paths, slots, C, stride_xt, stride_sn, stride_sc,
-                        stride_sw, stride_pr, W1: tl.constexpr, BW: tl.constexpr,
-                        MAX_P: tl.constexpr, P, BLOCK: tl.constexpr):
+def _commit_conv_kernel(X, ConvState, paths, slots, read_at, write_at, P, C, stride_xt,
+                        stride_sn, stride_sc, stride_sw, stride_pr, W1: tl.constexpr,
+                        BW: tl.constexpr, MAX_P: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                        BLOCK: tl.constexpr):
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < C
@@ -148,32 +154,36 @@ def _commit_conv_kernel(X, ConvState, paths, slots, C, stride_xt, stride_sn, str
     length = tl.sum((tl.load(paths + r * stride_pr + steps, mask=steps < P, other=-1) >= 0)
                     .to(tl.int32))
     slot = tl.load(slots + r).to(tl.int64)
+    read, write = 0, 0
+    if HAS_OFFSETS:
+        read, write = tl.load(read_at + r), tl.load(write_at + r)
     # New window entry w is entry length + w of (old window, then the path).
     w = tl.arange(0, BW)
     at = length + w
     from_old = at < W1
     w_ok = w < W1
     base = ConvState + slot * stride_sn + offs[:, None] * stride_sc
-    old = tl.load(base + at[None, :] * stride_sw,
+    old = tl.load(base + (read + at)[None, :] * stride_sw,
                   mask=ok[:, None] & (from_old & w_ok)[None, :], other=0.0)
     node = tl.load(paths + r * stride_pr + (at - W1), mask=~from_old & w_ok, other=0)
     new = tl.load(X + node.to(tl.int64)[None, :] * stride_xt + offs[:, None],
                   mask=ok[:, None] & (~from_old & w_ok)[None, :], other=0.0)
     window = tl.where(from_old[None, :], old.to(tl.float32), new.to(tl.float32))
-    tl.store(base + w[None, :] * stride_sw, window.to(ConvState.dtype.element_ty),
+    tl.store(base + (write + w)[None, :] * stride_sw, window.to(ConvState.dtype.element_ty),
              mask=ok[:, None] & w_ok[None, :])
 
 
 def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              conv_state: torch.Tensor, parents: torch.Tensor, slots: torch.Tensor
-              ) -> torch.Tensor:
+              conv_state: torch.Tensor, parents: torch.Tensor, slots: torch.Tensor,
+              offsets: torch.Tensor | None = None) -> torch.Tensor:
     T, C = x.shape
     out = torch.empty_like(x)
     if T:
         _tree_conv_kernel[(T, triton.cdiv(C, BLOCK_C))](
             x, weight, bias if bias is not None else weight, conv_state, out, parents, slots,
-            C, x.stride(0), weight.stride(0), *conv_state.stride(), out.stride(0),
-            WIDTH=weight.shape[1], HAS_BIAS=bias is not None, BLOCK=BLOCK_C)
+            offsets if offsets is not None else slots, C, x.stride(0), weight.stride(0),
+            *conv_state.stride(), out.stride(0), WIDTH=weight.shape[1],
+            HAS_BIAS=bias is not None, HAS_OFFSETS=offsets is not None, BLOCK=BLOCK_C)
     return out
 
 
@@ -204,25 +214,31 @@ def tree_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 
 def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
-                slots: torch.Tensor) -> None:
+                slots: torch.Tensor, width: int, read_at: torch.Tensor | None = None,
+                write_at: torch.Tensor | None = None) -> None:
     R, P = paths.shape
-    C, W1 = conv_state.shape[1], conv_state.shape[2]
+    C = conv_state.shape[1]
+    if (read_at is None) != (write_at is None):  # the kernel takes both or neither
+        read_at, write_at = (torch.zeros_like(slots) if a is None else a
+                             for a in (read_at, write_at))
     if R:
         _commit_conv_kernel[(R, triton.cdiv(C, BLOCK_C))](
-            x, conv_state, paths, slots, C, x.stride(0), *conv_state.stride(), paths.stride(0),
-            W1=W1, BW=triton.next_power_of_2(W1), MAX_P=triton.next_power_of_2(P), P=P,
-            BLOCK=BLOCK_C)
+            x, conv_state, paths, slots, slots if read_at is None else read_at,
+            slots if write_at is None else write_at, P, C, x.stride(0), *conv_state.stride(),
+            paths.stride(0), W1=width - 1, BW=triton.next_power_of_2(width - 1),
+            MAX_P=triton.next_power_of_2(P), HAS_OFFSETS=read_at is not None, BLOCK=BLOCK_C)
 
 
 def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, paths: torch.Tensor, slots: torch.Tensor,
-               l2norm: bool = True) -> None:
+               dst_slots: torch.Tensor | None = None, l2norm: bool = True) -> None:
     R, P = paths.shape
     Hv = v.shape[1]
     BK, BV, Vdim = _gdn_blocks(k, v)
     if R:
         _commit_gdn_kernel[(R, Hv, triton.cdiv(Vdim, BV))](
-            k, v, g, beta, state, paths, slots, P, k.shape[2], Vdim,
+            k, v, g, beta, state, paths, slots, slots if dst_slots is None else dst_slots,
+            P, k.shape[2], Vdim,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
             *state.stride(), paths.stride(0), GROUP=Hv // k.shape[1], BK=BK, BV=BV,
             L2NORM=l2norm)

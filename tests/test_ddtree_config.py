@@ -115,20 +115,34 @@ def test_v2_model_runner_is_refused(tiny_models: Path, monkeypatch) -> None:
         engine_config(tiny_models, {"method": "ddtree", "model": str(tiny_models / "drafter")})
 
 
-def test_recurrent_target_is_refused(tiny_models: Path) -> None:
+@pytest.mark.parametrize("arch, hf, kind", [
+    ("JambaForCausalLM", {"layers_block_type": ["attention", "mamba"]}, "kind mamba,"),
+    ("Lfm2ForCausalLM", {"layer_types": ["conv", "full_attention"]}, "kind conv,"),
+    ("NemotronHForCausalLM", {}, "kind those of NemotronHForCausalLM,"),
+])
+def test_recurrent_targets_other_than_gdn_are_refused(arch: str, hf: dict, kind: str) -> None:
+    """A recurrent layer kind without a tree path is refused, naming the kind and the model;
+    Gated DeltaNet targets (Qwen3-Next, Qwen3.5) pass."""
     from types import SimpleNamespace
 
     from vllm_ddtree.config import verify_drafter
 
-    drafter = SimpleNamespace(dflash_config={"mask_token_id": 3}, block_size=8, vocab_size=64)
-    target = SimpleNamespace(model="some/hybrid-model", is_hybrid=True, has_inner_state=True,
-                             get_vocab_size=lambda: 64)
-    spec = SimpleNamespace(model="drafter", num_speculative_tokens=None, tree_budget=16,
-                           target_model_config=target,
-                           draft_model_config=SimpleNamespace(hf_config=drafter))
-    with pytest.raises(ValueError, match="recurrent \\(Mamba/GDN\\) layers"):
+    def spec_for(arch: str, hf: dict) -> SimpleNamespace:
+        drafter = SimpleNamespace(dflash_config={"mask_token_id": 3}, block_size=8,
+                                  vocab_size=64)
+        target = SimpleNamespace(model="some/hybrid-model", is_hybrid=True,
+                                 has_inner_state=True, get_vocab_size=lambda: 64,
+                                 architectures=[arch], hf_text_config=SimpleNamespace(**hf))
+        return SimpleNamespace(model="drafter", num_speculative_tokens=None, tree_budget=16,
+                               target_model_config=target,
+                               draft_model_config=SimpleNamespace(hf_config=drafter))
+
+    spec = spec_for(arch, hf)
+    with pytest.raises(ValueError, match=f"'some/hybrid-model' has recurrent layers of {kind}"):
         verify_drafter(spec)
     assert spec.tree_depth == 7  # defaulted to block_size - 1 before the refusal
+    for gdn in ("Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
+        verify_drafter(spec_for(gdn, {"layer_types": ["linear_attention", "full_attention"]}))
 
 
 def test_dotted_cli_keys_work_like_json(tiny_models: Path) -> None:

@@ -102,9 +102,29 @@ def verify_drafter(spec: Any) -> None:
                          f"{hf.vocab_size} tokens, the target {target.get_vocab_size()}: "
                          f"they must match")
     if target.is_hybrid or target.has_inner_state:
-        raise ValueError(f"speculative_config.method 'ddtree': the target {target.model!r} has "
-                         f"recurrent (Mamba/GDN) layers, whose state cannot branch over a "
-                         f"tree; use an attention-only target")
+        _verify_recurrent_target(target)
+
+
+# Layer kinds named in hybrid configs (layer_types, layers_block_type) that are attention.
+_ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention", "chunked_attention"}
+
+
+def _verify_recurrent_target(target: Any) -> None:
+    """A target with recurrent layers: only Gated DeltaNet ones have a tree path
+    (vllm_ddtree/recurrent/)."""
+    from vllm_ddtree.recurrent.gdn_verify import GDN_ARCHITECTURES
+
+    archs = list(getattr(target, "architectures", None) or [])
+    if any(a in GDN_ARCHITECTURES for a in archs):
+        return
+    hf = target.hf_text_config
+    kinds = sorted({str(k) for name in ("layer_types", "layers_block_type")
+                    for k in (getattr(hf, name, None) or [])} - _ATTENTION_KINDS)
+    kind = ", ".join(kinds) if kinds else f"those of {'/'.join(archs) or 'this model'}"
+    raise ValueError(f"speculative_config.method 'ddtree': the target {target.model!r} has "
+                     f"recurrent layers of kind {kind}, which ddtree cannot verify over a "
+                     f"token tree (it covers Gated DeltaNet: Qwen3-Next, Qwen3.5); use "
+                     f"method 'dflash' or an attention-only target")
 
 
 def _resolve_synthetic_rates(spec: Any) -> None:
@@ -194,6 +214,8 @@ def verify_vllm_config(vllm_config: Any) -> None:
     model = vllm_config.model_config
     if model is not None:
         _verify_target_model(model)
+        if model.is_hybrid:
+            _verify_recurrent_cache(vllm_config.cache_config)
     sizes = graphed_verify_sizes(vllm_config)
     if sizes is not None and current_platform.is_cuda_alike():
         cc = vllm_config.compilation_config
@@ -252,6 +274,19 @@ def drafter_graph_sizes(target_sizes: list[int], step: int, block: int) -> list[
     if not target_sizes or any(size % step for size in target_sizes):
         return None
     return [size // step * block for size in target_sizes]
+
+
+def _verify_recurrent_cache(cache: Any) -> None:
+    """Recurrent states under ddtree: committed by replaying the accepted path into the slot
+    the next step reads. vLLM's prefix caching of states ("align" mode) copies states
+    between steps on its own schedule, untested with tree commits: refused."""
+    if cache.enable_prefix_caching or cache.mamba_cache_mode != "none":
+        raise ValueError("cache_config.enable_prefix_caching: method 'ddtree' on a target with "
+                         "recurrent layers runs without prefix caching (mamba_cache_mode "
+                         f"{cache.mamba_cache_mode!r}); pass --no-enable-prefix-caching")
+    if getattr(cache, "use_replayssm", False):
+        raise ValueError("cache_config.use_replayssm: method 'ddtree' commits recurrent states "
+                         "itself; leave it unset")
 
 
 def _verify_target_model(model: Any) -> None:

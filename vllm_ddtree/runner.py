@@ -44,6 +44,7 @@ from vllm_ddtree.config import (
     drafter_graph_sizes,
     synthetic_rates_per_depth,
 )
+from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, gdn_layers
 from vllm_ddtree.sampling import MinTokens, node_targets
 from vllm_ddtree.synthetic import SyntheticAcceptance
 from vllm_ddtree.tree import DraftTrees
@@ -168,6 +169,9 @@ class DDTreeState:
         self.num_nodes = budget + 1
         self.trees = tree_batch.TreeBatch(runner.max_num_reqs, budget, runner.device)
         tree_batch.install(runner.vllm_config, self.trees)
+        # The target's Gated DeltaNet layers verify trees through this (bound to them at
+        # the first step, once the model is loaded; None: not bound yet; False: none).
+        self._gdn: GDNTreeVerify | None | bool = None
         self.proposed: DraftTrees | None = None
         self.proposed_rows: dict[str, int] = {}
         self.step: dict[str, torch.Tensor] | None = None
@@ -220,9 +224,12 @@ class DDTreeState:
         self.last_verdict = None
         self.step_drafts = (None if spec_decode_metadata is None
                             else spec_decode_metadata.num_draft_tokens)
+        gdn = self._gdn_verify()
         if spec_decode_metadata is None:
             self.trees.clear()
             self.step = None
+            if gdn:
+                gdn.begin_step(None)
             return
         runner, N = self.runner, self.num_nodes
         drafts = spec_decode_metadata.num_draft_tokens
@@ -255,6 +262,16 @@ class DDTreeState:
         self.step = dict(token_ids=token_ids, first_child=first_child,
                          next_sibling=next_sibling, valid=valid, qsl=qsl, delta=delta,
                          num_tokens=num_tokens, num_drafts=n, parents=parents, depths=depths)
+        if gdn:
+            gdn.begin_step(parents)
+
+    def _gdn_verify(self) -> GDNTreeVerify | None:
+        if self._gdn is None:
+            layers = gdn_layers(self.runner)
+            self._gdn = GDNTreeVerify(self.max_depth) if layers else False
+            for layer in layers:
+                layer.ddtree_verify = self._gdn  # read by the hook of patch 0011
+        return self._gdn or None
 
     def input_fits_in_drafter(self, common_attn_metadata: Any, max_model_len: int) -> bool:
         """In place of the runner's _input_fits_in_drafter: whether the drafter's queries
@@ -407,6 +424,8 @@ class DDTreeState:
                                for caches, slot_mapping in self._target_kv_caches()]
         for compact, slot_mapping in self._kv_groups:
             compact(slot_mapping, qsl, verdict)
+        if self._gdn:
+            self._gdn.commit(verdict)  # recurrent layers: the accepted path's state
 
     def _target_kv_caches(self):
         """Per KV-cache group: the target's attention layers' caches and the slot mapping."""

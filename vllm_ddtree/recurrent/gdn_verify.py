@@ -67,6 +67,7 @@ class GDNTreeVerify:
         self.depth = depth
         self.parents: torch.Tensor | None = None  # [R, N] local parents per batch row
         self.stash: list[_Stashed] = []
+        self.commits = 0  # layer steps committed (host count, for tests and stats)
 
     @property
     def active(self) -> bool:
@@ -129,6 +130,7 @@ class GDNTreeVerify:
             impl.commit_gdn(s.ssm_state, s.k, s.v, s.g, s.beta, paths,
                             s.slots.gather(1, s.read_at[:, None])[:, 0],
                             s.slots.gather(1, n[:, None])[:, 0])
+        self.commits += len(self.stash)
         self.stash.clear()
         self.parents = None
 

@@ -159,6 +159,32 @@ def test_strided_reading_of_every_cpu_attn_packing(isa, dtype, page, head_size) 
     assert (slot_views(SimpleNamespace(isa=isa), kv) is None) == (isa == "amx")
 
 
+@pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page, head_size", [(32, 64), (640, 64), (288, 512)])
+def test_the_probed_layout_reads_what_cpu_attn_wrote(isa, dtype, page, head_size) -> None:
+    """Keys and values written by CPU_ATTN's own cache-write op read back exactly, through
+    the probed layout, at blocks of more than 256 tokens too (a hybrid target's attention
+    blocks take 640 on CPU; bf16 holds integers exactly only up to 256)."""
+    from vllm import _custom_ops as ops
+
+    from vllm_ddtree.attention.cpu_backend import block_reading, read_tiles
+
+    if isa == "amx" and head_size > 256:
+        pytest.skip("not a CPU_ATTN configuration: amx takes head sizes up to 256")
+    gen = torch.Generator().manual_seed(page)
+    key, value = (torch.randn(page, 1, head_size, generator=gen).to(dtype) for _ in range(2))
+    kv = torch.zeros(2, 1, 2 * page, head_size, dtype=dtype)
+    key_cache, value_cache = kv.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+                                   page + torch.arange(page), isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    for cache, want, (perm, form) in zip((key_cache, value_cache), (key, value),
+                                         block_reading(isa, dtype, page, head_size)):
+        tiles = read_tiles(cache, torch.tensor([1]), perm, form)
+        assert torch.equal(tiles[0, 0], want[:, 0])
+
+
 def test_a_packing_without_strided_form_is_gathered() -> None:
     from vllm_ddtree.attention.cpu_backend import read_tiles, strided_form
 

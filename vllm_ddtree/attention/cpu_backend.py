@@ -31,6 +31,8 @@ from vllm_ddtree.attention.torch_tree_attention import TreeGroup, attend, plan_t
 from vllm_ddtree.ops import compact_tree
 from vllm_ddtree.tree import Verdict
 
+EXACT_DIGITS = 256  # integers 1..256 are exact in bf16; block_layout probes in this base
+
 
 @functools.cache
 def block_layout(isa: str, dtype: torch.dtype, block_size: int,
@@ -38,21 +40,25 @@ def block_layout(isa: str, dtype: torch.dtype, block_size: int,
     """Where CPU_ATTN's cache-write op puts each (token, dim) of a block, for keys and for
     values: index tensors ``perm`` with ``tile.flatten()[perm[t * head_size + d]]`` holding
     element (t, d). The op packs keys per ISA (for "vec": dim pairs major, tokens minor); the
-    map is read off the op itself, by writing each token's index, then each dim's index
-    (both < 2**8 + 1, exact in every supported dtype)."""
+    map is read off the op itself, by writing each token's index, then each dim's index, in
+    base-256 digits (a digit + 1 is at most 256: exact in every supported dtype, bf16
+    included; a whole index past 256 is not, and hybrid targets' blocks hold 640 tokens)."""
     perms = []
-    probes = (torch.arange(block_size).view(-1, 1, 1).expand(-1, 1, head_size),
+    coords = (torch.arange(block_size).view(-1, 1, 1).expand(-1, 1, head_size),
               torch.arange(head_size).view(1, 1, -1).expand(block_size, 1, -1))
     for side in (0, 1):
         found = []
-        for probe in probes:
-            kv = torch.zeros(1, 1, 2 * block_size, head_size, dtype=dtype)
-            key_cache, value_cache = kv.chunk(2, dim=2)
-            values = (probe + 1).to(dtype).contiguous()
-            ops.cpu_attn_reshape_and_cache(values, values, key_cache, value_cache,
-                                           torch.arange(block_size), isa, k_scale=1.0,
-                                           v_scale=1.0, kv_cache_dtype="auto")
-            found.append((key_cache, value_cache)[side].flatten().long() - 1)
+        for coord in coords:
+            index = torch.zeros(block_size * head_size, dtype=torch.long)
+            for scale in (1, EXACT_DIGITS):
+                kv = torch.zeros(1, 1, 2 * block_size, head_size, dtype=dtype)
+                key_cache, value_cache = kv.chunk(2, dim=2)
+                values = (coord // scale % EXACT_DIGITS + 1).to(dtype).contiguous()
+                ops.cpu_attn_reshape_and_cache(values, values, key_cache, value_cache,
+                                               torch.arange(block_size), isa, k_scale=1.0,
+                                               v_scale=1.0, kv_cache_dtype="auto")
+                index += scale * ((key_cache, value_cache)[side].flatten().long() - 1)
+            found.append(index)
         token, dim = found
         perm = torch.empty(block_size * head_size, dtype=torch.long)
         perm[token * head_size + dim] = torch.arange(block_size * head_size)

@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import math
+import shutil
 import sysconfig
 import time
 from dataclasses import asdict, dataclass
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from make_tiny_models import qwen3_config, train_tokenizer
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 
@@ -71,6 +72,7 @@ class Recipe:
 
 HELD_OUT_EVERY = 10  # one file in ten (by path hash) is held out
 DEFAULT_OUT = Path.home() / ".cache" / "vllm-ddtree" / "tiny-pair"
+SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tiny-pair"  # in git; demo.sh
 
 
 # --- corpus -------------------------------------------------------------------------------
@@ -436,6 +438,25 @@ def _target_loss(target: Target, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
+def ship(out: Path, dest: Path) -> None:
+    """Copy the trained pair in ``out`` to ``dest`` with its weights in bfloat16 (half the
+    bytes in git; the configs keep float32, so vLLM computes in float32 from the bf16 values)
+    and write ``dest/SHA256SUMS``, which scripts/demo.sh checks before it serves the pair."""
+    sources = sorted([*(out / "target").iterdir(), *(out / "drafter").iterdir(),
+                      out / "heldout_prompts.json"])
+    files = [dest / f.relative_to(out) for f in sources]
+    for src, dst in zip(sources, files):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.name == "model.safetensors":
+            weights = {k: v.to(torch.bfloat16) for k, v in load_file(src).items()}
+            save_file(weights, dst, metadata={"format": "pt"})
+        else:
+            shutil.copyfile(src, dst)
+    (dest / "SHA256SUMS").write_text("".join(
+        f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.relative_to(dest)}\n" for f in files))
+    print(f"shipped: {dest} ({sum(f.stat().st_size for f in files) / 2**20:.1f} MiB)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -443,9 +464,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=Recipe.seed)
     parser.add_argument("--target-steps", type=int, default=Recipe.target_steps)
     parser.add_argument("--drafter-steps", type=int, default=Recipe.drafter_steps)
+    parser.add_argument("--ship", type=Path, nargs="?", const=SHIPPED, default=None,
+                        help="then copy the pair, weights in bf16, with SHA256SUMS, to SHIP "
+                             f"(default {SHIPPED.relative_to(SHIPPED.parents[1])}: the pair "
+                             "scripts/demo.sh serves)")
     args = parser.parse_args()
     run(args.out, Recipe(seed=args.seed, target_steps=args.target_steps,
                          drafter_steps=args.drafter_steps))
+    if args.ship:
+        ship(args.out, args.ship)
 
 
 if __name__ == "__main__":

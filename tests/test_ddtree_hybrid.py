@@ -21,9 +21,10 @@ def generate(pair: Path, spec: dict | None, max_num_seqs: int = 8,
              max_tokens: int = MAX_TOKENS, prompts: list[str] = PROMPTS, **engine):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(pair / "target"), enforce_eager=True, max_model_len=512, seed=0,
-              dtype="bfloat16", max_num_seqs=max_num_seqs, disable_log_stats=False,
-              enable_prefix_caching=False, speculative_config=spec, **engine)
+    settings = dict(enforce_eager=True, max_model_len=512, seed=0, dtype="bfloat16",
+                    max_num_seqs=max_num_seqs, disable_log_stats=False,
+                    enable_prefix_caching=False, speculative_config=spec)
+    llm = LLM(model=str(pair / "target"), **(settings | engine))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return llm.generate(prompts, params, use_tqdm=False), llm
 
@@ -105,3 +106,108 @@ def test_prefix_caching_is_refused_on_hybrids(tiny_hybrid: Path) -> None:
                                         "with recurrent layers"):
         LLM(model=str(tiny_hybrid / "target"), enforce_eager=True, max_model_len=512,
             dtype="bfloat16", enable_prefix_caching=True, speculative_config=spec)
+
+
+@pytest.mark.slow
+def test_chunked_prefill_preemption_and_cut_trees_stay_lossless(tiny_hybrid: Path,
+                                                                 monkeypatch) -> None:
+    """Long prompts prefilled in chunks beside verify steps, preemption under a tiny KV cache
+    (a preempted request's recurrent state is recomputed), requests finishing at different
+    steps and trees cut short near max_model_len: output stays the target's own. (On a
+    hybrid, vLLM sizes attention blocks to the recurrent state's page, 640 tokens here; a
+    request holds 1 + tree_depth = 8 blocks in each of the 3 GDN layers' groups and one
+    attention block per 640 tokens in each of 2 attention groups: 55 blocks hold two
+    requests until both pass 640 tokens.)"""
+    from vllm import SamplingParams
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    prompts = [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
+               for i in range(4)]
+    max_tokens = [660 + 20 * i for i in range(len(prompts))]
+    max_tokens[-1] = 2000  # runs into max_model_len (1300): its last trees are cut short
+
+    def params(extra: int = 0) -> list:
+        return [SamplingParams(temperature=0.0, max_tokens=m + extra, ignore_eos=True)
+                for m in max_tokens]
+
+    _, llm = generate(tiny_hybrid, None, prompts=prompts[:1], max_tokens=1, max_model_len=2100)
+    outputs = llm.generate(prompts, params(16), use_tqdm=False)
+    baseline = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    prompt_ids = {tuple(o.prompt_token_ids): o.prompt for o in outputs}
+    del llm
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=3))
+    spec = {"method": "ddtree", "tree_budget": 12, "model": str(tiny_hybrid / "drafter")}
+    _, llm = generate(tiny_hybrid, spec, prompts=prompts[:1], max_tokens=1, max_num_seqs=4,
+                      max_model_len=1300, max_num_batched_tokens=64,
+                      num_gpu_blocks_override=55)
+    outputs = llm.generate(prompts, params(), use_tqdm=False)
+    got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    room = {o.prompt: 1300 - len(o.prompt_token_ids) for o in outputs}
+    assert got == {p: baseline[p][:min(m, room[p])] for p, m in zip(prompts, max_tokens)}
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
+    assert ddtree_state(llm).stats()["longest_accepted"] >= 3
+
+
+@pytest.mark.slow
+def test_aborts_mid_stream_leave_the_others_lossless(tiny_hybrid: Path, hybrid_baseline,
+                                                     monkeypatch) -> None:
+    """Requests aborted between verify steps free their state slots; the others, and a
+    batch served after them in the reused slots, stay the target's own."""
+    from vllm import SamplingParams
+
+    from vllm_ddtree.runner import DDTreeProposer
+
+    baseline, prompt_ids = hybrid_baseline
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=4))
+    spec = {"method": "ddtree", "model": str(tiny_hybrid / "drafter"), "tree_budget": 16}
+    _, llm = generate(tiny_hybrid, spec, prompts=PROMPTS[:1], max_tokens=1)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:8]):
+        engine.add_request(f"r{i}", prompt, params)
+    done = {}
+    for step in range(200):
+        if step == 2:
+            engine.abort_request(["r1", "r4", "r6"])
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.prompt, list(out.outputs[0].token_ids))
+        if not engine.has_unfinished_requests():
+            break
+    kept = {rid: v for rid, v in done.items() if rid not in ("r1", "r4", "r6")}
+    assert len(kept) == 5
+    assert all(tokens == baseline[prompt][:MAX_TOKENS] for prompt, tokens in kept.values())
+    outputs = llm.generate(PROMPTS[8:], params, use_tqdm=False)
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+        p: baseline[p][:MAX_TOKENS] for p in PROMPTS[8:]}
+
+
+@pytest.mark.slow
+def test_sampling_matches_the_target_distribution(tiny_hybrid: Path) -> None:
+    """Temperature 2 (the tiny target's margins make it nearly deterministic at 1): the 2nd
+    and 3rd tokens, the first ones speculation produces, are distributed as without
+    speculation, with trees (budget 8). Fails below a chi-square p-value of 0.001 (fixed
+    seeds: deterministic)."""
+    from test_ddtree_engine import chi_square_p_value
+    from vllm import SamplingParams
+
+    samples = {}
+    for name, spec in (("plain", None), ("ddtree", {"method": "ddtree", "tree_budget": 8,
+                                                    "model": str(tiny_hybrid / "drafter")})):
+        _, llm = generate(tiny_hybrid, spec, prompts=PROMPTS[:1], max_tokens=1,
+                          max_num_seqs=64)
+        params = [SamplingParams(temperature=2.0, top_k=3, max_tokens=3, seed=1000 + i)
+                  for i in range(800)]
+        outputs = llm.generate(["def main():"] * 800, params, use_tqdm=False)
+        samples[name] = [o.outputs[0].token_ids for o in outputs]
+        del llm
+    for position in (1, 2):
+        plain = [t[position] for t in samples["plain"]]
+        assert len(set(plain)) >= 3  # a real distribution, not one token
+        p = chi_square_p_value(plain, [t[position] for t in samples["ddtree"]])
+        assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"

@@ -12,11 +12,12 @@
 # manifest.json says which parts each command carries), then run back to back, since the
 # machine keeps /tmp only about 30 s after a command:
 #   device run  command="scripts/gpu_check.sh"  carry=[".gpu-bundle/command-1"]  timeout_s=120
-#       brings command 1's parts (vLLM's compiled ops, 52 MiB), keeps them under /tmp and
-#       exits 3, naming what the next command must bring;
+#       brings command 1's parts (about 46 MiB beside the 13 MiB working tree), keeps them
+#       under /tmp and exits 3, naming what the next command must bring;
 #   device run  command="TOTAL_LIMIT_S=570 scripts/gpu_check.sh"
 #               carry=[".gpu-bundle/command-2"]  timeout_s=600
-#       brings the rest (vLLM's Python tree, FA3, the dependencies: 29 MiB), stages the
+#       brings the rest (about 35 MiB; 81 MiB in all: vLLM's compiled ops, its Python
+#       tree, FA3, the dependencies), stages the
 #       bundle in /tmp/vllm-bundle (every hash checked; nothing of the machine's replaced),
 #       applies the series, checks the compiled ops (else their stand-in, said loudly) and
 #       runs the whole check.

@@ -132,3 +132,29 @@ def test_tree_nodes_match_vllms_path_run_as_chains() -> None:
     window = torch.cat([conv[slots[0, 0], :, :W - 1], x[[0, 2, 5]].T], 1)[:, -(W - 1):]
     assert torch.equal(tconv[slots[0, 0], :, 2:2 + W - 1], window)
     assert not verify.active and verify.stash == []
+
+
+def test_vllms_spec_path_rolls_short_rows_like_the_gpu() -> None:
+    """Patch 0013: vLLM's CPU spec path on rows shorter than num_speculative_tokens + 1, read
+    at a column past 0, computes each row's conv over its window and leaves the window the
+    next step reads (at the last accepted token's column) holding the last W - 1 inputs;
+    before the patch this raised a size mismatch."""
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _spec_forward
+
+    g = torch.Generator().manual_seed(9)
+    layer = fake_layer(g)
+    lens, accepted = [3, SPEC + 1, 1], [4, 2, SPEC + 1]
+    qsl = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    slots = torch.arange(3 * (SPEC + 1)).view(3, SPEC + 1)
+    conv, state = caches(g, 3 * (SPEC + 1))
+    x = torch.randn(qsl[-1], CONV, generator=g).bfloat16()
+    a = torch.randn(qsl[-1], HV, generator=g).bfloat16()
+    b = torch.randn(qsl[-1], HV, generator=g).bfloat16()
+    after = conv.clone()
+    _spec_forward(layer, metadata(qsl, accepted, slots), x, b, a, after, state.clone(), W,
+                  W - 1 + SPEC)
+    for s, (q, n) in enumerate(zip(lens, accepted)):
+        buf, old = after[slots[s, 0]], conv[slots[s, 0]]
+        window = torch.cat([old[:, n - 1:n - 1 + W - 1], x[qsl[s]:qsl[s + 1]].T], 1)
+        for k in range(1, q + 1):  # the next step's window if k of the rows are accepted
+            assert torch.equal(buf[:, k - 1:k - 1 + W - 1], window[:, k:k + W - 1]), (s, k)

@@ -120,9 +120,10 @@ def _verify_recurrent_target(target: Any) -> None:
     hf = target.hf_text_config
     kinds = sorted({str(k) for name in ("layer_types", "layers_block_type")
                     for k in (getattr(hf, name, None) or [])} - _ATTENTION_KINDS)
-    kind = ", ".join(kinds) if kinds else f"those of {'/'.join(archs) or 'this model'}"
+    kind = (f"of kind {', '.join(kinds)}" if kinds
+            else f"(kind not named in its config; {'/'.join(archs) or 'unknown architecture'})")
     raise ValueError(f"speculative_config.method 'ddtree': the target {target.model!r} has "
-                     f"recurrent layers of kind {kind}, which ddtree cannot verify over a "
+                     f"recurrent layers {kind}, which ddtree cannot verify over a "
                      f"token tree (it covers Gated DeltaNet: Qwen3-Next, Qwen3.5); use "
                      f"method 'dflash' or an attention-only target")
 

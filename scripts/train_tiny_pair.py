@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from demo import SHIPPED  # the pair in git that scripts/demo.sh serves
 from make_tiny_models import qwen3_config, train_tokenizer
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -72,7 +73,6 @@ class Recipe:
 
 HELD_OUT_EVERY = 10  # one file in ten (by path hash) is held out
 DEFAULT_OUT = Path.home() / ".cache" / "vllm-ddtree" / "tiny-pair"
-SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tiny-pair"  # in git; demo.sh
 
 
 # --- corpus -------------------------------------------------------------------------------

@@ -56,8 +56,16 @@ class _Stashed:
     beta: torch.Tensor
     slots: torch.Tensor  # [S, 1 + num_spec] state slots of the spec requests
     read_at: torch.Tensor  # [S] the committed column / slot: num_accepted - 1
+
+
+@dataclass
+class _Forest:
+    """The step's spec rows as a forest: the same for every GDN layer of the step (their
+    state slots differ: each layer may be a KV-cache group of its own)."""
     qsl: torch.Tensor  # [S + 1] spec rows of each spec request
     batch_rows: torch.Tensor  # [S] the spec requests' rows in the batch (and the verdict)
+    req: torch.Tensor  # [T] each row's spec request
+    parents: torch.Tensor  # [T] each row's parent row, -1 for a root
 
 
 class GDNTreeVerify:
@@ -67,6 +75,7 @@ class GDNTreeVerify:
         self.depth = depth
         self.parents: torch.Tensor | None = None  # [R, N] local parents per batch row
         self.stash: list[_Stashed] = []
+        self.forest: _Forest | None = None  # built by the step's first GDN layer
         self.commits = 0  # layer steps committed (host count, for tests and stats)
 
     @property
@@ -78,6 +87,22 @@ class GDNTreeVerify:
         """This step's local parents per batch row (None: no verify step)."""
         self.parents = parents
         self.stash.clear()
+        self.forest = None
+
+    def _forest(self, md: Any, T: int, dev: torch.device) -> _Forest:
+        if self.forest is None:
+            S = md.num_spec_decodes
+            qsl = md.spec_query_start_loc[:S + 1].long()
+            mask = md.spec_sequence_masks_cpu
+            batch_rows = (torch.arange(S) if mask is None else mask.nonzero()[:, 0]).to(dev)
+            t = torch.arange(T, device=dev)
+            req = torch.searchsorted(qsl[1:], t, right=True)
+            node = t - qsl[req]
+            local = self.parents.long()[batch_rows[req],
+                                        node.clamp(max=self.parents.shape[1] - 1)]
+            parents = torch.where((local >= 0) & (node > 0), qsl[req] + local, -1)
+            self.forest = _Forest(qsl, batch_rows, req, parents)
+        return self.forest
 
     def spec_forward(self, layer: Any, md: Any, x: torch.Tensor, b: torch.Tensor,
                      a: torch.Tensor, conv_buf: torch.Tensor, ssm_state: torch.Tensor,
@@ -85,45 +110,37 @@ class GDNTreeVerify:
         """The spec rows' core output ``[T, Hv, V]`` over their trees (the arguments of
         vLLM's CPU _spec_forward)."""
         assert self.parents is not None, "spec_forward outside a ddtree verify step"
+        from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import (
+            _unpacked_conv_weight,
+        )
+
         S = md.num_spec_decodes
-        dev = x.device
-        qsl = md.spec_query_start_loc[:S + 1].long()
+        f = self._forest(md, x.shape[0], x.device)
         slots = md.spec_state_indices_tensor[:S].long()
         read_at = md.num_accepted_tokens[:S].long() - 1
-        mask = md.spec_sequence_masks_cpu
-        batch_rows = (torch.arange(S) if mask is None else mask.nonzero()[:, 0]).to(dev)
-        T = x.shape[0]
-        t = torch.arange(T, device=dev)
-        req = torch.searchsorted(qsl[1:], t, right=True)
-        node = t - qsl[req]
-        local = self.parents.long()[batch_rows[req], node.clamp(max=self.parents.shape[1] - 1)]
-        parents = torch.where(local >= 0, qsl[req] + local, -1)
-        parents = torch.where(node == 0, -1, parents)  # a request's first row is its root
-        impl = _impl(dev)
-        weight = getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None)
-        if weight is None:
-            weight = layer.conv1d.weight
-        weight = weight.reshape(weight.shape[0], -1)
-        conv_out = impl.tree_conv(x, weight, layer.conv1d.bias, conv_buf, parents,
-                                  slots[req, 0], offsets=read_at[req])
+        impl = _impl(x.device)
+        conv_out = impl.tree_conv(x, _unpacked_conv_weight(layer), layer.conv1d.bias, conv_buf,
+                                  f.parents, slots[f.req, 0], offsets=read_at[f.req])
         q, k, v = (y.squeeze(0) for y in layer.rearrange_mixed_qkv(conv_out))
         # Qwen's gates, as vLLM's fused kernels compute them (softplus threshold 20).
         g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
         beta = b.float().sigmoid()
-        out = impl.tree_gdn(q, k, v, g, beta, ssm_state, parents,
-                            slots.gather(1, read_at[:, None])[req, 0], k.shape[-1] ** -0.5,
+        out = impl.tree_gdn(q, k, v, g, beta, ssm_state, f.parents,
+                            slots.gather(1, read_at[:, None])[f.req, 0], k.shape[-1] ** -0.5,
                             max_depth=self.depth)
         self.stash.append(_Stashed(conv_buf, ssm_state, width, x, k, v, g, beta, slots,
-                                   read_at, qsl, batch_rows))
+                                   read_at))
         return out
 
     def commit(self, verdict: Verdict) -> None:
         """After the walk: each GDN layer's accepted paths into the committed state."""
-        for s in self.stash:
-            accepted = verdict.accepted.long()[s.batch_rows]  # [S, D] local nodes
-            n = verdict.num_accepted.long()[s.batch_rows]
+        if self.stash:
+            f = self.forest
+            accepted = verdict.accepted.long()[f.batch_rows]  # [S, D] local nodes
+            n = verdict.num_accepted.long()[f.batch_rows]
             local = torch.cat([torch.zeros_like(accepted[:, :1]), accepted], 1)
-            paths = torch.where(local >= 0, s.qsl[:-1, None] + local, -1)
+            paths = torch.where(local >= 0, f.qsl[:-1, None] + local, -1)
+        for s in self.stash:
             impl = _impl(s.x.device)
             impl.commit_conv(s.conv_buf, s.x, paths, s.slots[:, 0], s.width,
                              read_at=s.read_at, write_at=n)
@@ -132,7 +149,7 @@ class GDNTreeVerify:
                             s.slots.gather(1, n[:, None])[:, 0])
         self.commits += len(self.stash)
         self.stash.clear()
-        self.parents = None
+        self.parents = self.forest = None
 
 
 def gdn_layers(runner: Any) -> list[Any]:

@@ -119,11 +119,11 @@ def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
     cols = torch.arange(W1, device=dev)
     read = cols if read_at is None else read_at[:, None] + cols
     write = cols if write_at is None else write_at[:, None] + cols
-    old = conv_state[slots].gather(2, read.expand(R, W1)[:, None, :].expand(R, C, W1))
+    buf = conv_state[slots]  # a copy: read from, written into, stored back
+    old = buf.gather(2, read.expand(R, W1)[:, None, :].expand(R, C, W1))
     seq = torch.cat([old, x[paths.clamp(min=0)].transpose(1, 2).to(old.dtype)], 2)
     length = (paths >= 0).sum(1, keepdim=True)
     window = seq.gather(2, (length + cols)[:, None, :].expand(R, C, W1))
-    buf = conv_state[slots]
     buf.scatter_(2, write.expand(R, W1)[:, None, :].expand(R, C, W1), window)
     conv_state[slots] = buf
 

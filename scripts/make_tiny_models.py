@@ -9,7 +9,8 @@ DIR/drafter: a random DFlash drafter in the z-lab checkpoint format (DFlashDraft
 
 Random weights prove the plumbing, not acceptance: scripts/train_tiny_pair.py trains a pair.
 --hybrid: DIR/target is a hand-built Qwen3-Next instead (3 Gated DeltaNet layers, 1 full
-attention, bf16) whose greedy choices have large margins (make_hybrid), for exactness tests.
+attention, bf16) whose greedy choices have large margins (make_hybrid), for exactness tests;
+--hybrid qwen3_5: the same model as a Qwen3.5 text model (Qwen3_5ForCausalLM, M-RoPE).
 """
 
 from __future__ import annotations
@@ -276,9 +277,68 @@ def attention_weights(p: str, lay: dict) -> dict[str, torch.Tensor]:
             f"{p}.k_norm.weight": torch.full((d,), 3.0)}
 
 
-def make_hybrid(out: Path, seed: int = 0) -> None:
+def as_qwen3_5(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same model in Qwen3.5's text layout (Qwen3_5ForCausalLM): a dense MLP (zero, as
+    the MoE was) and the GDN input projections split. With one key head Qwen3-Next's
+    per-key-head groups [q | k | v | z] and [b | a] are the plain concatenations."""
+    c, out = HYBRID, {}
+    qkv = 2 * c["linear_key_head_dim"] + c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    nv = c["linear_num_value_heads"]
+    assert c["linear_num_key_heads"] == 1
+    for name, t in w.items():
+        if ".mlp." in name:
+            continue
+        if name.endswith("in_proj_qkvz.weight"):
+            p = name.removesuffix("qkvz.weight")
+            out[p + "qkv.weight"], out[p + "z.weight"] = t[:qkv], t[qkv:]
+        elif name.endswith("in_proj_ba.weight"):
+            p = name.removesuffix("ba.weight")
+            out[p + "b.weight"], out[p + "a.weight"] = t[:nv], t[nv:]
+        else:
+            out[name] = t
+    h, mi = c["hidden_size"], c["intermediate_size"]
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}.mlp"
+        out[f"{p}.gate_proj.weight"] = torch.zeros(mi, h)
+        out[f"{p}.up_proj.weight"] = torch.zeros(mi, h)
+        out[f"{p}.down_proj.weight"] = torch.zeros(h, mi)
+    return out
+
+
+def qwen3_5_config(text: dict, vocab: int) -> dict:
+    """Qwen3.5 as its checkpoints ship it (Qwen3_5ForConditionalGeneration): the text
+    model with M-RoPE (interleaved sections of the 8 rotary pairs), and a tiny vision
+    tower that the tests never load (they serve it language-model-only: limit_mm_per_prompt
+    0), so the checkpoint holds no vision weights. A text token's position is the same on
+    every M-RoPE axis, so it rotates as 1-D RoPE does."""
+    text = {k: v for k, v in text.items() if k not in MOE_KEYS and k != "architectures"}
+    text["model_type"] = "qwen3_5_text"
+    text["rope_parameters"] = text["rope_parameters"] | {"mrope_section": [2, 3, 3],
+                                                        "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                  out_hidden_size=text["hidden_size"], num_position_embeddings=64,
+                  deepstack_visual_indexes=[])
+    # The vision tokens: unused ids past the tokenizer's (the vocabulary is padded).
+    image, video, start, end = range(vocab - 4, vocab)
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": text, "vision_config": vision, "image_token_id": image,
+            "video_token_id": video, "vision_start_token_id": start,
+            "vision_end_token_id": end, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16"}
+
+
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+            "norm_topk_prob")
+
+
+def make_hybrid(out: Path, seed: int = 0, arch: str = "qwen3_next") -> None:
     """DIR/target: a tiny Qwen3-Next (3 GDN layers, 1 full attention, MLPs zero) built by
     hand, not drawn, so greedy choices have margins far above bf16 noise; DIR/drafter: DFlash.
+    ``arch`` "qwen3_5": the same model as a Qwen3.5 text model (Qwen3_5ForCausalLM: split
+    GDN projections, a dense MLP, M-RoPE), which computes the same function.
 
     Tokens carry random exact +-1 bits and classes. GDN layer n is an exact key-value store
     (beta 1, no decay, one-hot keys): it files token t's bits under the class of token
@@ -300,7 +360,11 @@ def make_hybrid(out: Path, seed: int = 0) -> None:
     plain = torch.tensor([i for i in range(tok_vocab) if i not in ids.values()])
     outputs = plain[torch.randperm(len(plain), generator=gen)[: 2**n_bits]].tolist()
 
-    weights = {k: v.to(torch.bfloat16) for k, v in hybrid_weights(vocab, outputs, gen).items()}
+    weights = hybrid_weights(vocab, outputs, gen)
+    if arch == "qwen3_5":  # the language model's weights, as Qwen3.5's checkpoints name them
+        weights = {k.replace("model.", "model.language_model.", 1): v
+                   for k, v in as_qwen3_5(weights).items()}
+    weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     config = {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
@@ -312,6 +376,8 @@ def make_hybrid(out: Path, seed: int = 0) -> None:
         "norm_topk_prob": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "bos_token_id": eos, "eos_token_id": eos, "use_cache": True,
     }
+    if arch == "qwen3_5":
+        config = qwen3_5_config(config, vocab)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     write_drafter(drafter, HYBRID, vocab, eos, mask, gen, torch_dtype="bfloat16")
@@ -322,10 +388,14 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hybrid", action="store_true",
-                        help="a hand-built Qwen3-Next target (GDN + attention) instead")
+    parser.add_argument("--hybrid", nargs="?", const="qwen3_next", choices=HYBRID_ARCHS,
+                        help="a hand-built hybrid target (GDN + attention) instead: "
+                        "Qwen3-Next (the default) or the same model as a Qwen3.5 text model")
     args = parser.parse_args()
-    (make_hybrid if args.hybrid else make)(args.out, args.seed)
+    if args.hybrid:
+        make_hybrid(args.out, args.seed, args.hybrid)
+    else:
+        make(args.out, args.seed)
     print(f"wrote {args.out / 'target'} and {args.out / 'drafter'}")
 
 

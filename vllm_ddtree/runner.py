@@ -258,12 +258,22 @@ class DDTreeState:
         offset = depths - self.node
         qpos = runner.query_pos.gpu[:num_tokens].clamp(max=N - 1)
         delta = offset[runner.req_indices.gpu[:num_tokens], qpos]
-        runner.positions[:num_tokens] += delta
+        self._shift_positions(num_tokens, delta)
         self.step = dict(token_ids=token_ids, first_child=first_child,
                          next_sibling=next_sibling, valid=valid, qsl=qsl, delta=delta,
                          num_tokens=num_tokens, num_drafts=n, parents=parents, depths=depths)
         if gdn:
             gdn.begin_step(parents)
+
+    def _shift_positions(self, num_tokens: int, delta: torch.Tensor) -> None:
+        """Moves the step's positions by ``delta`` per token, in both of vLLM's position
+        buffers. Under M-RoPE (Qwen3.5) a generated token's position advances by one on
+        every axis (vLLM's get_next_input_positions_tensor: context length + delta on all
+        rows), and drafts are generated tokens, so the tree offset applies to each axis."""
+        runner = self.runner
+        runner.positions[:num_tokens] += delta
+        if runner.uses_mrope:
+            runner.mrope_positions.gpu[:, :num_tokens] += delta
 
     def _gdn_verify(self) -> GDNTreeVerify | None:
         if self._gdn is None:
@@ -328,7 +338,7 @@ class DDTreeState:
         self._compact(verdict, hidden_states, aux_hidden_states)
         self._count(verdict)
         num_tokens = step["num_tokens"]
-        runner.positions[:num_tokens] -= step["delta"]  # chain positions for the drafter
+        self._shift_positions(num_tokens, -step["delta"])  # chain positions for the drafter
         self.step = None
         return SamplerOutput(sampled_token_ids=verdict.output_tokens.to(torch.int32),
                              logprobs_tensors=logprobs)

@@ -257,3 +257,62 @@ def test_sampling_matches_the_target_distribution(tiny_hybrid: Path) -> None:
         assert len(set(plain)) >= 3  # a real distribution, not one token
         p = chi_square_p_value(plain, [t[position] for t in samples["ddtree"]])
         assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"
+
+
+@pytest.mark.slow
+def test_the_stash_is_what_stash_bytes_counts(tiny_hybrid: Path, monkeypatch) -> None:
+    """The startup check's size of the stash (config.stash_bytes) is what a verify step
+    keeps: each GDN layer's stashed tensors hold stash_bytes_per_row bytes per verify row,
+    and a step has at most max_num_seqs x (tree_budget + 1) rows."""
+    from vllm_ddtree.config import stash_bytes
+    from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, stash_bytes_per_row
+
+    seen, commit = [], GDNTreeVerify.commit
+
+    def measured_commit(self, verdict):
+        for s in self.stash:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in (s.x, s.k, s.v, s.g, s.beta)}
+            seen.append((s.x.shape[0], sum(storages.values())))
+        commit(self, verdict)
+
+    monkeypatch.setattr(GDNTreeVerify, "commit", measured_commit)
+    spec = {"method": "ddtree", "model": str(tiny_hybrid / "drafter"), "tree_budget": 8}
+    _, llm = generate(tiny_hybrid, spec, max_num_seqs=4, prompts=PROMPTS[:4])
+    config = llm.llm_engine.vllm_config
+    row = stash_bytes_per_row(config.model_config.hf_text_config, torch.bfloat16)
+    need, per_request = stash_bytes(config)
+    assert seen and all(size == rows * row for rows, size in seen)
+    assert max(rows for rows, _ in seen) == 4 * 9  # four requests' whole trees in a step
+    assert per_request == 3 * 9 * row and need == 4 * per_request  # 3 GDN layers
+
+
+def test_a_stash_that_does_not_fit_is_refused_at_startup(tiny_hybrid: Path,
+                                                         monkeypatch) -> None:
+    """A budget whose per-step stash exceeds the memory left beside the KV cache (here 1 GiB
+    free of the node's 2 beside VLLM_CPU_KVCACHE_SPACE=1) is refused at startup with the
+    number needed and the settings to change; a smaller batch of the same budget fits."""
+    from collections import namedtuple
+
+    import psutil
+    from vllm.engine.arg_utils import EngineArgs
+
+    memory = namedtuple("memory", "total available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(24 * 2**30, 2 * 2**30))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    spec = {"method": "ddtree", "model": str(tiny_hybrid / "drafter"), "tree_budget": 1024}
+
+    def config(max_num_seqs: int):
+        return EngineArgs(model=str(tiny_hybrid / "target"), max_model_len=512,
+                          dtype="bfloat16", enable_prefix_caching=False,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=300_000,
+                          speculative_config=spec, **language_model_only(tiny_hybrid)
+                          ).create_engine_config()
+
+    # 256 requests x 1025 rows x 3 layers x 2,064 bytes: 1.51 GiB.
+    with pytest.raises(ValueError, match=r"tree_budget is 1024: a verify step's Gated DeltaNet "
+                       r"stash .* needs 1\.51 GiB \(6\.1 MiB per request, up to 256 requests "
+                       r"a step\), but 1\.00 GiB is left beside the KV cache sized by "
+                       r"VLLM_CPU_KVCACHE_SPACE \(1 GiB\); lower tree_budget, max_num_seqs"):
+        config(256)
+    assert config(8).speculative_config.tree_budget == 1024

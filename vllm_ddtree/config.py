@@ -21,6 +21,8 @@ from typing import Any
 
 from vllm_ddtree.tree import MAX_BUDGET
 
+GIB = 2**30
+
 logger = logging.getLogger("vllm.ddtree")
 
 DEFAULT_TREE_BUDGET = 64
@@ -217,6 +219,7 @@ def verify_vllm_config(vllm_config: Any) -> None:
         _verify_target_model(model)
         if model.is_hybrid:
             _verify_recurrent_engine(vllm_config.cache_config, current_platform)
+            _verify_stash_fits(vllm_config, _memory_beside_kv_cache(vllm_config))
     sizes = graphed_verify_sizes(vllm_config)
     if sizes is not None and current_platform.is_cuda_alike():
         cc = vllm_config.compilation_config
@@ -295,6 +298,62 @@ def _verify_recurrent_engine(cache: Any, platform: Any) -> None:
     if getattr(cache, "use_replayssm", False):
         raise ValueError("cache_config.use_replayssm: method 'ddtree' commits recurrent states "
                          "itself; leave it unset")
+
+
+def _memory_beside_kv_cache(vllm_config: Any) -> tuple[int, str]:
+    """CPU memory free now less what the KV cache will take, and the setting that sizes the
+    KV cache (vLLM's CPU worker: VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes, else
+    gpu_memory_utilization of the node). The stash is activation memory of the step that
+    vLLM's memory profile never sees, so it must fit beside the cache."""
+    import psutil
+    from vllm import envs
+
+    memory = psutil.virtual_memory()
+    cache = vllm_config.cache_config
+    if cache.kv_cache_memory_bytes is not None:
+        return (memory.available - cache.kv_cache_memory_bytes,
+                f"kv_cache_memory_bytes ({cache.kv_cache_memory_bytes})")
+    if envs.VLLM_CPU_KVCACHE_SPACE:
+        return (memory.available - int(envs.VLLM_CPU_KVCACHE_SPACE * GIB),
+                f"VLLM_CPU_KVCACHE_SPACE ({envs.VLLM_CPU_KVCACHE_SPACE} GiB)")
+    util = cache.gpu_memory_utilization
+    return (int(memory.available - util * memory.total),
+            f"gpu_memory_utilization ({util}, which sizes the KV cache on CPU)")
+
+
+def stash_bytes(vllm_config: Any) -> tuple[int, int]:
+    """The Gated DeltaNet stash of the largest verify step, and per request: every verify
+    row (tree_budget + 1 per request, max_num_seqs requests, within max_num_batched_tokens)
+    in every GDN layer of a tensor-parallel rank."""
+    from vllm_ddtree.recurrent.gdn_verify import stash_bytes_per_row
+
+    model, spec = vllm_config.model_config, vllm_config.speculative_config
+    text = model.hf_text_config
+    layers = list(getattr(text, "layer_types", None) or []).count("linear_attention")
+    row = layers * stash_bytes_per_row(text, model.dtype,
+                                       vllm_config.parallel_config.tensor_parallel_size)
+    step = spec.tree_budget + 1
+    rows = min(vllm_config.scheduler_config.max_num_seqs * step,
+               vllm_config.scheduler_config.max_num_batched_tokens)
+    return rows * row, step * row
+
+
+def _verify_stash_fits(vllm_config: Any, room: tuple[int, str]) -> None:
+    """Refuses a tree budget whose per-step stash (stash_bytes) exceeds the memory left
+    beside the KV cache, with the number needed and the settings to change."""
+    need, per_request = stash_bytes(vllm_config)
+    free, setting = room
+    if need > free:
+        spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
+        raise ValueError(
+            f"speculative_config.tree_budget is {spec.tree_budget}: a verify step's Gated "
+            f"DeltaNet stash (the inputs of every tree node in every GDN layer, kept until "
+            f"the accepted path is committed) needs {need / GIB:.2f} GiB "
+            f"({per_request / 2**20:.1f} MiB per request, up to "
+            f"{min(sched.max_num_seqs, sched.max_num_batched_tokens // (spec.tree_budget + 1))}"
+            f" requests a step), but {max(free, 0) / GIB:.2f} GiB is left beside the KV cache "
+            f"sized by {setting}; lower tree_budget, max_num_seqs or max_num_batched_tokens, "
+            f"or the KV cache")
 
 
 def _verify_target_model(model: Any) -> None:

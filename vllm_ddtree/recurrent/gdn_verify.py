@@ -34,6 +34,16 @@ GDN_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
                      "Qwen3_5MoeForCausalLM")
 
 
+def stash_bytes_per_row(text_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """What the stash keeps per verify row and GDN layer (one tensor-parallel rank): the
+    conv inputs and outputs (keys and values are views of the output) in the model's dtype,
+    and two float32 gates per value head."""
+    c = text_config
+    hk, hv = c.linear_num_key_heads // tp_size, c.linear_num_value_heads // tp_size
+    channels = 2 * hk * c.linear_key_head_dim + hv * c.linear_value_head_dim
+    return 2 * channels * dtype.itemsize + 2 * hv * 4
+
+
 def _impl(device: torch.device) -> Any:
     if device.type == "cuda":
         from vllm_ddtree.recurrent import triton_tree_gdn

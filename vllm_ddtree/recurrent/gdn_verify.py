@@ -52,6 +52,15 @@ def _impl(device: torch.device) -> Any:
     return torch_tree_gdn
 
 
+def _conv_weight(layer: Any) -> torch.Tensor:
+    """The conv weight ``[C, W]``: on CPU vLLM's unpacked copy (AMX packs it in place)."""
+    w = layer.conv1d.weight
+    if w.device.type != "cpu":
+        return w.view(w.size(0), w.size(-1))
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _unpacked_conv_weight
+    return _unpacked_conv_weight(layer)
+
+
 @dataclass
 class _Stashed:
     """One GDN layer's verify step: where its committed window and state live, and the
@@ -118,18 +127,14 @@ class GDNTreeVerify:
                      a: torch.Tensor, conv_buf: torch.Tensor, ssm_state: torch.Tensor,
                      width: int, state_len: int) -> torch.Tensor:
         """The spec rows' core output ``[T, Hv, V]`` over their trees (the arguments of
-        vLLM's CPU _spec_forward)."""
+        vLLM's CPU _spec_forward; from the CUDA path, patch 0015, the same values)."""
         assert self.parents is not None, "spec_forward outside a ddtree verify step"
-        from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import (
-            _unpacked_conv_weight,
-        )
-
         S = md.num_spec_decodes
         f = self._forest(md, x.shape[0], x.device)
         slots = md.spec_state_indices_tensor[:S].long()
         read_at = md.num_accepted_tokens[:S].long() - 1
         impl = _impl(x.device)
-        conv_out = impl.tree_conv(x, _unpacked_conv_weight(layer), layer.conv1d.bias, conv_buf,
+        conv_out = impl.tree_conv(x, _conv_weight(layer), layer.conv1d.bias, conv_buf,
                                   f.parents, slots[f.req, 0], offsets=read_at[f.req])
         q, k, v = (y.squeeze(0) for y in layer.rearrange_mixed_qkv(conv_out))
         # Qwen's gates, as vLLM's fused kernels compute them (softplus threshold 20).

@@ -177,6 +177,7 @@ def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               conv_state: torch.Tensor, parents: torch.Tensor, slots: torch.Tensor,
               offsets: torch.Tensor | None = None) -> torch.Tensor:
     T, C = x.shape
+    parents, slots, offsets = _dense(parents), _dense(slots), _dense(offsets)
     out = torch.empty_like(x)
     if T:
         _tree_conv_kernel[(T, triton.cdiv(C, BLOCK_C))](
@@ -185,6 +186,12 @@ def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             *conv_state.stride(), out.stride(0), WIDTH=weight.shape[1],
             HAS_BIAS=bias is not None, HAS_OFFSETS=offsets is not None, BLOCK=BLOCK_C)
     return out
+
+
+def _dense(index: torch.Tensor | None) -> torch.Tensor | None:
+    """An index vector as the kernels read it (element i at i): vLLM's slot tables are 2-D,
+    and a column of one (``slots[:, 0]``) is strided."""
+    return None if index is None else index.contiguous()
 
 
 def _gdn_blocks(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
@@ -202,6 +209,7 @@ def tree_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         raise ValueError("tree_gdn: the Triton kernel needs max_depth (the deepest row's depth)")
     T, Hv, Vdim = v.shape
     out = torch.empty_like(v)
+    parents, slots = _dense(parents), _dense(slots)
     BK, BV, _ = _gdn_blocks(k, v)
     if T:
         _tree_gdn_kernel[(T, Hv, triton.cdiv(Vdim, BV))](
@@ -218,6 +226,7 @@ def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
                 write_at: torch.Tensor | None = None) -> None:
     R, P = paths.shape
     C = conv_state.shape[1]
+    slots, read_at, write_at = _dense(slots), _dense(read_at), _dense(write_at)
     if (read_at is None) != (write_at is None):  # the kernel takes both or neither
         read_at, write_at = (torch.zeros_like(slots) if a is None else a
                              for a in (read_at, write_at))
@@ -234,6 +243,7 @@ def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                dst_slots: torch.Tensor | None = None, l2norm: bool = True) -> None:
     R, P = paths.shape
     Hv = v.shape[1]
+    slots, dst_slots = _dense(slots), _dense(dst_slots)
     BK, BV, Vdim = _gdn_blocks(k, v)
     if R:
         _commit_gdn_kernel[(R, Hv, triton.cdiv(Vdim, BV))](

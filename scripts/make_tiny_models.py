@@ -10,7 +10,8 @@ DIR/drafter: a random DFlash drafter in the z-lab checkpoint format (DFlashDraft
 Random weights prove the plumbing, not acceptance: scripts/train_tiny_pair.py trains a pair.
 --hybrid: DIR/target is a hand-built Qwen3-Next instead (3 Gated DeltaNet layers, 1 full
 attention, bf16) whose greedy choices have large margins (make_hybrid), for exactness tests;
---hybrid qwen3_5: the same model as a Qwen3.5 text model (Qwen3_5ForCausalLM, M-RoPE).
+--hybrid qwen3_5: the same model as Qwen3.5 (Qwen3_5ForConditionalGeneration, M-RoPE);
+--hybrid qwen3_5_text: as a text-only Qwen3.5 (Qwen3_5ForCausalLM).
 """
 
 from __future__ import annotations
@@ -328,7 +329,7 @@ def qwen3_5_config(text: dict, vocab: int) -> dict:
             "torch_dtype": "bfloat16"}
 
 
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5")
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_text")
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
             "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
             "norm_topk_prob")
@@ -337,8 +338,9 @@ MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
 def make_hybrid(out: Path, seed: int = 0, arch: str = "qwen3_next") -> None:
     """DIR/target: a tiny Qwen3-Next (3 GDN layers, 1 full attention, MLPs zero) built by
     hand, not drawn, so greedy choices have margins far above bf16 noise; DIR/drafter: DFlash.
-    ``arch`` "qwen3_5": the same model as a Qwen3.5 text model (Qwen3_5ForCausalLM: split
-    GDN projections, a dense MLP, M-RoPE), which computes the same function.
+    ``arch`` "qwen3_5": the same model as Qwen3.5 ships (Qwen3_5ForConditionalGeneration:
+    split GDN projections, a dense MLP, M-RoPE), which computes the same function;
+    "qwen3_5_text": as a text-only Qwen3.5 checkpoint (Qwen3_5ForCausalLM).
 
     Tokens carry random exact +-1 bits and classes. GDN layer n is an exact key-value store
     (beta 1, no decay, one-hot keys): it files token t's bits under the class of token
@@ -364,6 +366,8 @@ def make_hybrid(out: Path, seed: int = 0, arch: str = "qwen3_next") -> None:
     if arch == "qwen3_5":  # the language model's weights, as Qwen3.5's checkpoints name them
         weights = {k.replace("model.", "model.language_model.", 1): v
                    for k, v in as_qwen3_5(weights).items()}
+    elif arch == "qwen3_5_text":
+        weights = as_qwen3_5(weights)
     weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     config = {
@@ -378,6 +382,9 @@ def make_hybrid(out: Path, seed: int = 0, arch: str = "qwen3_next") -> None:
     }
     if arch == "qwen3_5":
         config = qwen3_5_config(config, vocab)
+    elif arch == "qwen3_5_text":  # vLLM's text-only class: 1-D RoPE (it drops M-RoPE)
+        config = qwen3_5_config(config, vocab)["text_config"] | {
+            "architectures": ["Qwen3_5ForCausalLM"]}
     (target / "config.json").write_text(json.dumps(config, indent=2))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     write_drafter(drafter, HYBRID, vocab, eos, mask, gen, torch_dtype="bfloat16")

@@ -52,12 +52,22 @@ def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same hand-built target as a Qwen3.5 text model (Qwen3_5ForCausalLM: split GDN
-    projections, a dense MLP, M-RoPE) and drafter (make_tiny_models.py --hybrid qwen3_5)."""
+    """The same hand-built target as Qwen3.5 ships (Qwen3_5ForConditionalGeneration: split
+    GDN projections, a dense MLP, M-RoPE) and drafter (make_tiny_models.py --hybrid qwen3_5)."""
     import make_tiny_models
 
     out = tmp_path_factory.mktemp("tiny_qwen3_5")
     make_tiny_models.make_hybrid(out, seed=0, arch="qwen3_5")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same as a text-only Qwen3.5 checkpoint (Qwen3_5ForCausalLM: 1-D RoPE in vLLM)."""
+    import make_tiny_models
+
+    out = tmp_path_factory.mktemp("tiny_qwen3_5_text")
+    make_tiny_models.make_hybrid(out, seed=0, arch="qwen3_5_text")
     return out
 
 

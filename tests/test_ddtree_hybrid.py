@@ -39,10 +39,12 @@ def generate(pair: Path, spec: dict | None, max_num_seqs: int = 8,
 
 
 @pytest.fixture(scope="module")
-def hybrid_baselines(tiny_hybrid: Path, tiny_qwen3_5: Path):
-    """By architecture ("qwen3_next", "qwen3_5"): the pair, and the target alone, greedy
-    (16 tokens of look-ahead for the oracle drafter), with the prompts' token ids."""
-    pairs, cache = {"qwen3_next": tiny_hybrid, "qwen3_5": tiny_qwen3_5}, {}
+def hybrid_baselines(tiny_hybrid: Path, tiny_qwen3_5: Path, tiny_qwen3_5_text: Path):
+    """By architecture (make_tiny_models.HYBRID_ARCHS): the pair, and the target alone,
+    greedy (16 tokens of look-ahead for the oracle drafter), with the prompts' token ids."""
+    pairs = {"qwen3_next": tiny_hybrid, "qwen3_5": tiny_qwen3_5,
+             "qwen3_5_text": tiny_qwen3_5_text}
+    cache = {}
 
     def baseline(arch: str) -> tuple[Path, dict[str, list], dict[tuple, str]]:
         if arch not in cache:
@@ -69,11 +71,11 @@ def ddtree_state(llm):
 @pytest.mark.parametrize("max_num_seqs", [1, 8])
 @pytest.mark.parametrize("spine", [True, False])
 @pytest.mark.parametrize("budget", [4, 16, 64])
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_text"])
 def test_greedy_is_lossless_with_deep_trees(hybrid_baselines, monkeypatch, arch: str,
                                             budget: int, spine: bool, max_num_seqs: int
                                             ) -> None:
-    """Qwen3-Next and Qwen3.5 (M-RoPE: tree positions on every axis) targets."""
+    """Qwen3-Next, Qwen3.5 (M-RoPE: tree positions on every axis) and text-only Qwen3.5."""
     from vllm_ddtree.runner import DDTreeProposer
 
     pair, baseline, prompt_ids = hybrid_baselines(arch)

@@ -78,11 +78,13 @@ def test_greedy_is_the_same_batched_and_alone_with_large_margins(tiny_hybrid: Pa
 
 
 @pytest.mark.slow
-def test_qwen3_5_target_is_the_same_function(tiny_hybrid: Path, tiny_qwen3_5: Path) -> None:
+def test_qwen3_5_target_is_the_same_function(tiny_hybrid: Path, tiny_qwen3_5: Path,
+                                             tiny_qwen3_5_text: Path) -> None:
     """The tiny Qwen3.5 (Qwen3_5ForConditionalGeneration: split GDN projections, a dense
     MLP, M-RoPE) is the Qwen3-Next rewritten: in vLLM both continue token prompts the same,
     greedy, so what differs between them is Qwen3.5's own code (its M-RoPE positions among
-    it). Its tokenizer differs (transformers' Qwen3.5 class splits digits): token prompts."""
+    it), and so does the text-only checkpoint, which vLLM runs with 1-D RoPE. Their tokenizer
+    differs (transformers' Qwen3.5 class splits digits): token prompts."""
     from test_ddtree_hybrid import language_model_only
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -100,7 +102,7 @@ def test_qwen3_5_target_is_the_same_function(tiny_hybrid: Path, tiny_qwen3_5: Pa
         for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = {}
-    for pair in (tiny_hybrid, tiny_qwen3_5):
+    for pair in (tiny_hybrid, tiny_qwen3_5, tiny_qwen3_5_text):
         llm = LLM(model=str(pair / "target"), enforce_eager=True, max_model_len=512, seed=0,
                   dtype="bfloat16", max_num_seqs=8, enable_prefix_caching=False,
                   **language_model_only(pair))
@@ -110,4 +112,4 @@ def test_qwen3_5_target_is_the_same_function(tiny_hybrid: Path, tiny_qwen3_5: Pa
         outputs[pair] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                       use_tqdm=False)]
         del llm
-    assert outputs[tiny_hybrid] == outputs[tiny_qwen3_5]
+    assert outputs[tiny_hybrid] == outputs[tiny_qwen3_5] == outputs[tiny_qwen3_5_text]

@@ -13,11 +13,12 @@ TORCH_LIBRARY(vllm_ddtree, m) {
   // positions[r, i] = seq_lens[r] + depths[r, i]: tree nodes sit at context + depth, so
   // siblings share a position (RoPE of a branch, not of the flattened order).
   m.def("tree_positions(Tensor seq_lens, Tensor depths) -> Tensor");
-  // The B best prefixes of the drafter's per-depth top-k, as a batch of trees.
+  // A batch of trees from the drafter's per-depth top-k: the B best prefixes (widths
+  // empty), or JetSpec's build (each expanded node takes widths[depth] children).
   m.def(
       "build_tree(Tensor root_tokens, Tensor topk_logprobs, Tensor topk_ids, int budget, "
-      "bool spine) -> (Tensor token_ids, Tensor parents, Tensor depths, Tensor first_child, "
-      "Tensor next_sibling, Tensor ancestor_mask, Tensor scores)");
+      "bool spine, int[] widths=[]) -> (Tensor token_ids, Tensor parents, Tensor depths, "
+      "Tensor first_child, Tensor next_sibling, Tensor ancestor_mask, Tensor scores)");
   // Walk each tree along the target's choices: accepted nodes, their count, emitted tokens.
   m.def(
       "verify_tree(Tensor token_ids, Tensor first_child, Tensor next_sibling, "

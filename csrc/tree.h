@@ -95,6 +95,75 @@ struct TreeRows {
   int32_t* last_child;  // scratch: the most recent child of each node
 };
 
+// Per-depth child counts of JetSpec's build: w[min(depth, n - 1)] children per expanded node
+// at drafter position `depth` (a kernel argument by value, so no device memory). n == 0: the
+// best-first build.
+constexpr int32_t kMaxWidths = 32;
+struct Widths {
+  int32_t w[kMaxWidths];
+  int32_t n;
+  DDTREE_HD int32_t at(int32_t depth) const { return w[depth < n ? depth : n - 1]; }
+};
+
+// Appends node n of a tree under construction: its row, and its place in its parent's
+// child list (children are added in rank order, so the list is rank-ordered).
+DDTREE_HD inline int32_t add_node(TreeRows& t, int32_t& n, int32_t K, float score,
+                                  int32_t parent, int32_t rank, int32_t pos) {
+  const int32_t i = n++;
+  t.token_ids[i] = static_cast<int64_t>(pos) * K + rank;
+  t.parents[i] = parent;
+  t.depths[i] = pos + 1;
+  t.scores[i] = score;
+  t.first_child[i] = t.next_sibling[i] = t.last_child[i] = -1;
+  if (t.last_child[parent] < 0) {
+    t.first_child[parent] = i;
+  } else {
+    t.next_sibling[t.last_child[parent]] = i;
+  }
+  t.last_child[parent] = i;
+  return i;
+}
+
+DDTREE_HD inline void add_root(TreeRows& t, int64_t root_token) {
+  t.token_ids[0] = root_token;
+  t.parents[0] = -1;
+  t.depths[0] = 0;
+  t.first_child[0] = t.next_sibling[0] = t.last_child[0] = -1;
+  t.scores[0] = 0.0f;
+}
+
+// JetSpec's build (arXiv 2606.18394) of one request's tree: repeatedly take the best node
+// not yet expanded, by (score descending, node index ascending), and append its children of
+// ranks 0 .. w(depth) - 1, until budget nodes. With spine the rank-0 chain (nodes 1..
+// min(L, budget)) is laid first; a chain node's rank-0 child is the next one. Inputs and
+// outputs as build_one_tree's; the caller guarantees that the widths allow budget nodes.
+DDTREE_HD inline void build_one_tree_expanding(const float* logprobs, int32_t L, int32_t K,
+                                               const Widths& widths, int32_t budget,
+                                               bool spine, int64_t root_token,
+                                               Candidate* heap_storage, TreeRows t) {
+  add_root(t, root_token);
+  int32_t n = 1, chain = 0;  // nodes 0 .. chain - 1 already have their rank-0 child
+  CandidateHeap heap{heap_storage};
+  heap.push(Candidate::make(0.0f, 0, 0));  // a node as a candidate: (score, index, 0)
+  if (spine) {
+    for (int32_t pos = 0, parent = 0; pos < L && n <= budget; ++pos) {
+      parent = add_node(t, n, K, t.scores[parent] + logprobs[pos * K], parent, 0, pos);
+      heap.push(Candidate::make(t.scores[parent], parent, 0));
+    }
+    chain = n - 1;
+  }
+  while (n <= budget && heap.size > 0) {
+    const int32_t p = heap.data[0].parent(), pos = t.depths[p];
+    heap.pop();
+    if (pos >= L) continue;
+    const int32_t w = widths.at(pos) < K ? widths.at(pos) : K;
+    for (int32_t rank = p < chain ? 1 : 0; rank < w && n <= budget; ++rank) {
+      const int32_t i = add_node(t, n, K, t.scores[p] + logprobs[pos * K + rank], p, rank, pos);
+      heap.push(Candidate::make(t.scores[i], i, 0));
+    }
+  }
+}
+
 // Build one request's tree from its top-k log-probs ([L, K] row-major). Node i > 0's
 // token_ids entry is its flat top-k index (depth - 1) * K + rank, which the caller turns
 // into the token id afterwards: the ids are not read in this serial loop (on CUDA each read
@@ -103,28 +172,12 @@ struct TreeRows {
 DDTREE_HD inline void build_one_tree(const float* logprobs, int32_t L, int32_t K,
                                      int32_t budget, bool spine, int64_t root_token,
                                      Candidate* heap_storage, TreeRows t) {
-  t.token_ids[0] = root_token;
-  t.parents[0] = -1;
-  t.depths[0] = 0;
-  t.first_child[0] = t.next_sibling[0] = t.last_child[0] = -1;
-  t.scores[0] = 0.0f;
+  add_root(t, root_token);
   int32_t n = 1;
   CandidateHeap heap{heap_storage};
 
   auto add = [&](float score, int32_t parent, int32_t rank, int32_t pos) {
-    const int32_t i = n++;
-    t.token_ids[i] = static_cast<int64_t>(pos) * K + rank;
-    t.parents[i] = parent;
-    t.depths[i] = pos + 1;
-    t.scores[i] = score;
-    t.first_child[i] = t.next_sibling[i] = t.last_child[i] = -1;
-    if (t.last_child[parent] < 0) {
-      t.first_child[parent] = i;
-    } else {
-      t.next_sibling[t.last_child[parent]] = i;
-    }
-    t.last_child[parent] = i;
-    return i;
+    return add_node(t, n, K, score, parent, rank, pos);
   };
   auto push_sibling = [&](int32_t parent, int32_t rank, int32_t pos) {
     if (rank + 1 < K) {
@@ -153,6 +206,17 @@ DDTREE_HD inline void build_one_tree(const float* logprobs, int32_t L, int32_t K
       heap.pop();
     }
     push_sibling(parent, rank, pos);
+  }
+}
+
+// One request's tree by the build `widths` names: JetSpec's (widths.n > 0) or best-first.
+DDTREE_HD inline void build_tree_of(const float* logprobs, int32_t L, int32_t K,
+                                    const Widths& widths, int32_t budget, bool spine,
+                                    int64_t root_token, Candidate* heap_storage, TreeRows t) {
+  if (widths.n > 0) {
+    build_one_tree_expanding(logprobs, L, K, widths, budget, spine, root_token, heap_storage, t);
+  } else {
+    build_one_tree(logprobs, L, K, budget, spine, root_token, heap_storage, t);
   }
 }
 

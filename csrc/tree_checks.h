@@ -6,6 +6,8 @@
 
 #include <vector>
 
+#include "tree.h"
+
 namespace vllm_ddtree {
 
 constexpr int64_t kMaxBudget = 1024;  // keep in sync with vllm_ddtree/tree.py MAX_BUDGET
@@ -48,8 +50,35 @@ inline int64_t num_prefixes(int64_t L, int64_t K) {
   return std::min<int64_t>(total, kMaxBudget + 1);
 }
 
+// Nodes JetSpec's build can place: sum over depths d < L of prod_{i <= d} w(i), saturated.
+inline int64_t num_expanded_nodes(int64_t L, const Widths& widths) {
+  int64_t total = 0, level = 1;
+  for (int64_t d = 0; d < L && total <= kMaxBudget; ++d) {
+    level = std::min<int64_t>(level * widths.at(static_cast<int32_t>(d)), kMaxBudget + 1);
+    total += level;
+  }
+  return std::min<int64_t>(total, kMaxBudget + 1);
+}
+
+// The build's per-depth widths from the op's argument (empty: best-first), checked.
+inline Widths make_widths(at::IntArrayRef widths, int64_t K) {
+  const char* op = "build_tree";
+  DDTREE_CHECK_ARG(static_cast<int64_t>(widths.size()) <= kMaxWidths, op, "widths",
+                   "takes at most ", kMaxWidths, " per-depth widths (the last one repeats), got ",
+                   widths.size());
+  Widths w{};
+  w.n = static_cast<int32_t>(widths.size());
+  for (size_t d = 0; d < widths.size(); ++d) {
+    DDTREE_CHECK_ARG(widths[d] >= 1 && widths[d] <= K, op, "widths", "entry ", d, " is ",
+                     widths[d], ": must be in [1, ", K, "] (the top-k's ranks)");
+    w.w[d] = static_cast<int32_t>(widths[d]);
+  }
+  return w;
+}
+
 inline void check_build_args(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
-                             const at::Tensor& topk_ids, int64_t budget) {
+                             const at::Tensor& topk_ids, int64_t budget,
+                             const Widths& widths) {
   const char* op = "build_tree";
   const auto dev = topk_logprobs.device();
   check_tensor(op, "topk_logprobs", topk_logprobs, 3, {at::kFloat}, dev);
@@ -67,6 +96,11 @@ inline void check_build_args(const at::Tensor& root_tokens, const at::Tensor& to
   DDTREE_CHECK_ARG(budget <= num_prefixes(L, K), op, "budget", "is ", budget,
                    ", but depth ", L, " with top-", K, " allows only ", num_prefixes(L, K),
                    " nodes");
+  if (widths.n > 0) {
+    DDTREE_CHECK_ARG(budget <= num_expanded_nodes(L, widths), op, "budget", "is ", budget,
+                     ", but depth ", L, " with these widths allows only ",
+                     num_expanded_nodes(L, widths), " nodes");
+  }
 }
 
 inline void check_verify_args(const at::Tensor& token_ids, const at::Tensor& first_child,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from test_tree_build import build_cases
+from test_tree_build import build_cases, jetspec_cases
 from test_tree_compact import (
     caches_of_two_geometries,
     compact_cases,
@@ -147,3 +147,13 @@ def test_empty_batches(emulated_cuda_ops) -> None:
         depths = torch.zeros(shape, dtype=torch.int32)
         seq_lens = torch.zeros(shape[0], dtype=torch.long)
         assert emulated_cuda_ops.tree_positions(seq_lens, depths).shape == shape
+
+
+@settings(max_examples=500, deadline=None)
+@given(case=jetspec_cases())
+def test_jetspec_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
+    inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
+                         case["k"], case["ties"])
+    args = (*inputs, case["budget"], case["spine"], case["widths"])
+    assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args),
+                         emulated_cuda_ops.build_tree(*args))

@@ -1,5 +1,6 @@
 """build_tree: the CPU op equals the Python reference, selects the B most probable prefixes,
-keeps the layout's invariants, and lays the greedy spine when asked."""
+keeps the layout's invariants, and lays the greedy spine when asked; and JetSpec's build
+(widths): the same against its reference, each expanded node with all its children."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tree_cases import num_prefixes, random_topk
+from tree_cases import num_expanded, num_prefixes, random_topk
 
 from vllm_ddtree import ops, reference
 from vllm_ddtree.tree import MAX_BUDGET, topk_ranked
@@ -25,6 +26,19 @@ def build_cases(draw, max_depth=16, max_vocab=300, max_reqs=4):
     return dict(seed=draw(st.integers(0, 2**32 - 1)), num_reqs=draw(st.integers(1, max_reqs)),
                 depth=depth, vocab=vocab, k=k, budget=budget, ties=draw(st.booleans()),
                 spine=draw(st.booleans()))
+
+
+@st.composite
+def jetspec_cases(draw, max_depth=16, max_vocab=300, max_reqs=4):
+    """JetSpec's build: per-depth widths (one, as JetSpec's default, or fanout caps)."""
+    depth = draw(st.integers(1, max_depth))
+    vocab = draw(st.sampled_from([1, 2, 3, 5, 17, 64, max_vocab]))
+    widths = draw(st.lists(st.integers(1, min(vocab, 9)), min_size=1, max_size=4))
+    k = draw(st.integers(max(widths), vocab))
+    budget = draw(st.integers(1, min(MAX_BUDGET, num_expanded(depth, widths))))
+    return dict(seed=draw(st.integers(0, 2**32 - 1)), num_reqs=draw(st.integers(1, max_reqs)),
+                depth=depth, vocab=vocab, k=k, budget=budget, ties=draw(st.booleans()),
+                spine=draw(st.booleans()), widths=widths)
 
 
 def assert_same_trees(got, want) -> None:
@@ -236,3 +250,68 @@ def test_row_logsumexp_gives_topk_ranked_logprobs() -> None:
                                atol=2e-6)
     assert (values[..., 1:] <= values[..., :-1]).all()
     assert torch.equal(ids[..., 0], logits.argmax(-1))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(case=jetspec_cases())
+def test_jetspec_build_matches_reference(case) -> None:
+    roots, logprobs, ids = random_topk(case["seed"], case["num_reqs"], case["depth"],
+                                       case["vocab"], case["k"], case["ties"])
+    got = ops.build_tree(roots, logprobs, ids, case["budget"], case["spine"], case["widths"])
+    assert_same_trees(got, reference.build_tree(roots, logprobs, ids, case["budget"],
+                                                case["spine"], tuple(case["widths"])))
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=jetspec_cases(max_depth=8, max_vocab=64))
+def test_jetspec_build_expands_whole_nodes_best_first(case) -> None:
+    """Every node with children has its first w(depth) ranks (the last one expanded may be
+    cut by the budget), and nodes are expanded in order of score: no unexpanded node with
+    room below it outscores an expanded one. With spine the rank-0 chain comes first."""
+    roots, logprobs, ids = random_topk(case["seed"], case["num_reqs"], case["depth"],
+                                       case["vocab"], case["k"], case["ties"])
+    B, widths = case["budget"], case["widths"]
+    trees = ops.build_tree(roots, logprobs, ids, B, case["spine"], widths)
+    for r in range(case["num_reqs"]):
+        parents, depths = trees.parents[r].tolist(), trees.depths[r].tolist()
+        scores = trees.scores[r].tolist()
+        children: dict[int, list[int]] = {}
+        for i in range(1, B + 1):
+            children.setdefault(parents[i], []).append(i)
+        last = parents[B]  # the node expanded last, whose children the budget may cut
+        chain = min(case["depth"], B) if case["spine"] else 0
+        for p, kids in children.items():
+            w = widths[min(depths[p], len(widths) - 1)]
+            if p != last and p >= chain:
+                assert len(kids) == w, (p, kids, w)
+        expanded = [p for p in children if p >= chain]
+        leaves = [i for i in range(B + 1) if i not in children and depths[i] < case["depth"]
+                  and i >= chain]
+        if expanded and leaves:
+            assert min(scores[p] for p in expanded) >= max(scores[i] for i in leaves) - 1e-6
+        if case["spine"]:
+            assert parents[1:chain + 1] == list(range(chain))
+            assert all(int(trees.token_ids[r, i]) == int(ids[r, i - 1, 0])
+                       for i in range(1, chain + 1))
+
+
+def test_jetspec_ties_follow_the_documented_rule() -> None:
+    """All log-probs equal: the root is expanded (ranks 0..W-1), then its children in index
+    order, each with all its W children."""
+    logprobs = torch.zeros(1, 2, 3)
+    ids = torch.tensor([[[10, 11, 12], [20, 21, 22]]])
+    got = ops.build_tree(torch.tensor([0]), logprobs, ids, budget=6, widths=[2])
+    assert got.token_ids[0].tolist() == [0, 10, 11, 20, 21, 20, 21]
+    assert got.parents[0].tolist() == [-1, 0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("widths, message", [
+    ([0], "argument 'widths' entry 0 is 0: must be in \\[1, 4\\]"),
+    ([2, 5], "argument 'widths' entry 1 is 5: must be in \\[1, 4\\]"),
+    ([1] * 33, "argument 'widths' takes at most 32"),
+    ([1], "argument 'budget' is 8, but depth 4 with these widths allows only 4 nodes"),
+])
+def test_jetspec_build_rejects_bad_widths_by_name(widths, message) -> None:
+    logprobs, ids = torch.zeros(2, 4, 4), torch.zeros(2, 4, 4, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=message):
+        ops.build_tree(torch.zeros(2, dtype=torch.int64), logprobs, ids, 8, widths=widths)

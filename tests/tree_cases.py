@@ -62,3 +62,12 @@ def wide_trees(num_nodes: int) -> tuple[torch.Tensor, ...]:
     choices = torch.full((2, n), -1, dtype=torch.long)
     choices[0, 0], choices[0, n - 2] = token_ids[0, n - 2], token_ids[0, n - 1]
     return token_ids, first_child, next_sibling, choices
+
+
+def num_expanded(depth: int, widths: list[int]) -> int:
+    """Nodes JetSpec's build can place below the root with these per-depth widths."""
+    total, level = 0, 1
+    for d in range(depth):
+        level *= widths[min(d, len(widths) - 1)]
+        total += level
+    return total

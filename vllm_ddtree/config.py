@@ -35,7 +35,10 @@ DEFAULT_TREE_BUDGET = 64
 # compute-bound, where a graph saves little.
 GRAPH_STEPS = 32
 GRAPH_TOKENS = 8192
-TREE_FIELDS = ("tree_budget", "tree_spine")
+TREE_FIELDS = ("tree_budget", "tree_spine", "tree_build", "tree_width")
+TREE_BUILDS = ("best_first", "jetspec")
+DEFAULT_TREE_WIDTH = 7  # JetSpec's W
+MAX_WIDTHS = 32  # per-depth widths the build op takes (csrc/tree.h kMaxWidths)
 
 
 def is_ddtree(speculative_config: Any) -> bool:
@@ -43,7 +46,15 @@ def is_ddtree(speculative_config: Any) -> bool:
 
 
 def resolve_speculative_config(spec: Any) -> None:
-    """Start of SpeculativeConfig.__post_init__: defaults and checks of the tree fields."""
+    """Start of SpeculativeConfig.__post_init__: defaults and checks of the tree fields.
+    Method "jetspec" is "ddtree" with JetSpec's build (tree_build defaults by the drafter's
+    head otherwise: verify_drafter)."""
+    if spec.method == "jetspec":
+        if spec.tree_build not in (None, "jetspec"):
+            raise ValueError(f"speculative_config.tree_build is {spec.tree_build!r}: method "
+                             f"'jetspec' builds JetSpec's trees; use method 'ddtree' for "
+                             f"another build")
+        spec.method, spec.tree_build = "ddtree", "jetspec"
     if spec.method != "ddtree":
         for name in TREE_FIELDS:
             if getattr(spec, name) is not None:
@@ -64,6 +75,9 @@ def resolve_speculative_config(spec: Any) -> None:
     if not isinstance(spec.tree_spine, bool):
         raise ValueError(f"speculative_config.tree_spine must be true or false, got "
                          f"{spec.tree_spine!r}")
+    if spec.tree_build is not None and spec.tree_build not in TREE_BUILDS:
+        raise ValueError(f"speculative_config.tree_build must be one of {TREE_BUILDS}, got "
+                         f"{spec.tree_build!r}")
     # Chain verification settings that tree verification would ignore: refused, not dropped.
     # "synthetic" (benchmarking only) is honoured per tree depth: see verify_drafter.
     if spec.rejection_sample_method not in ("standard", "synthetic"):
@@ -93,8 +107,10 @@ def verify_drafter(spec: Any) -> None:
         raise ValueError(f"speculative_config.num_speculative_tokens is "
                          f"{spec.num_speculative_tokens}, deeper than the drafter drafts: at "
                          f"most block_size - 1 = {depth}")
+    causal_head = _verify_head(spec, hf)
     # A tree of B nodes is at most B deep: the drafter need not draft further.
     spec.tree_depth = min(spec.num_speculative_tokens or depth, spec.tree_budget)
+    _resolve_build(spec, causal_head, hf.vocab_size)
     spec.num_speculative_tokens = spec.tree_budget
     if getattr(spec, "rejection_sample_method", "standard") == "synthetic":
         _resolve_synthetic_rates(spec)
@@ -105,6 +121,65 @@ def verify_drafter(spec: Any) -> None:
                          f"they must match")
     if target.is_hybrid or target.has_inner_state:
         _verify_recurrent_target(target)
+
+
+def _verify_head(spec: Any, hf: Any) -> bool:
+    """Whether the drafter is a JetSpec head (dflash_config.causal_head: its in-block
+    attention is causal), refusing flags that contradict it or a head missing the fields
+    its drafting needs."""
+    dflash = hf.dflash_config
+    causal_head = dflash.get("causal_head")
+    if causal_head is not None and not isinstance(causal_head, bool):
+        raise ValueError(f"speculative_config.model {spec.model!r}: dflash_config.causal_head "
+                         f"must be true or false, got {causal_head!r}")
+    for name, value in (("dflash_config.causal", dflash.get("causal")),
+                        ("is_causal", getattr(hf, "is_causal", None))):
+        if causal_head and value is not None and not value:
+            raise ValueError(f"speculative_config.model {spec.model!r}: {name} is {value!r} "
+                             f"but dflash_config.causal_head is true (a causal JetSpec head); "
+                             f"the drafter's config must not contradict itself")
+    for name in ("mask_token_id", "target_layer_ids"):
+        if name not in dflash:
+            raise ValueError(f"speculative_config.model {spec.model!r}: dflash_config has no "
+                             f"{name}, which its drafting needs")
+    return bool(causal_head)
+
+
+def tree_widths(spec: Any) -> tuple[int, ...]:
+    """The build op's per-depth widths: empty for the best-first build."""
+    if spec.tree_build != "jetspec":
+        return ()
+    return tuple(spec.tree_width) if isinstance(spec.tree_width, list) else (spec.tree_width,)
+
+
+def _resolve_build(spec: Any, causal_head: bool, vocab: int) -> None:
+    """tree_build by the head unless given; tree_width for JetSpec's build (checked against
+    the vocabulary, and that it can place tree_budget nodes within tree_depth)."""
+    if spec.tree_build is None:
+        spec.tree_build = "jetspec" if causal_head else "best_first"
+    if spec.tree_build != "jetspec":
+        if spec.tree_width is not None:
+            raise ValueError(f"speculative_config.tree_width applies to tree_build 'jetspec', "
+                             f"not {spec.tree_build!r}")
+        return
+    if spec.tree_width is None:
+        spec.tree_width = DEFAULT_TREE_WIDTH
+    widths = spec.tree_width if isinstance(spec.tree_width, list) else [spec.tree_width]
+    if not widths or len(widths) > MAX_WIDTHS or any(
+            isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= vocab
+            for w in widths):
+        raise ValueError(f"speculative_config.tree_width must be an integer in [1, {vocab}] "
+                         f"(the vocabulary), or a list of 1 to {MAX_WIDTHS} of them, got "
+                         f"{spec.tree_width!r}")
+    room, level = 0, 1
+    for d in range(spec.tree_depth):
+        level *= widths[min(d, len(widths) - 1)]
+        room += level
+        if room >= spec.tree_budget:
+            return
+    raise ValueError(f"speculative_config.tree_budget is {spec.tree_budget}, but tree_width "
+                     f"{spec.tree_width!r} over the drafter's {spec.tree_depth} positions "
+                     f"places at most {room} nodes; lower tree_budget or widen tree_width")
 
 
 # Layer kinds named in hybrid configs (layer_types, layers_block_type) that are attention.

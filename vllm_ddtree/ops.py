@@ -6,6 +6,8 @@ oracle for both. None of these wrappers syncs with the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 import vllm_ddtree._C  # noqa: F401  (loads the library: registers torch.ops.vllm_ddtree.*)
@@ -31,7 +33,7 @@ def _tree_positions_fake(seq_lens: torch.Tensor, depths: torch.Tensor) -> torch.
 
 
 @torch.library.register_fake("vllm_ddtree::build_tree")
-def _build_tree_fake(root_tokens, topk_logprobs, topk_ids, budget, spine):
+def _build_tree_fake(root_tokens, topk_logprobs, topk_ids, budget, spine, widths=()):
     _same_device("build_tree", topk_logprobs=topk_logprobs, topk_ids=topk_ids,
                  root_tokens=root_tokens)
     R, N = topk_logprobs.shape[0], budget + 1
@@ -64,19 +66,22 @@ def tree_positions(seq_lens: torch.Tensor, depths: torch.Tensor) -> torch.Tensor
 
 
 def build_tree(root_tokens: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids: torch.Tensor,
-               budget: int, spine: bool = False) -> DraftTrees:
-    """The batch of trees from per-depth top-k log-probs and ids ``[R, L, K]``, rank-sorted."""
-    return DraftTrees(*_ops.build_tree(root_tokens, topk_logprobs, topk_ids, budget, spine))
+               budget: int, spine: bool = False, widths: Sequence[int] = ()) -> DraftTrees:
+    """The batch of trees from per-depth top-k log-probs and ids ``[R, L, K]``, rank-sorted:
+    DDTree's best-first build, or with ``widths`` JetSpec's (vllm_ddtree/tree.py)."""
+    return DraftTrees(*_ops.build_tree(root_tokens, topk_logprobs, topk_ids, budget, spine,
+                                       list(widths)))
 
 
 def build_tree_from_logits(root_tokens: torch.Tensor, logits: torch.Tensor, budget: int,
-                           spine: bool = False) -> DraftTrees:
+                           spine: bool = False, widths: Sequence[int] = ()) -> DraftTrees:
     """The batch of trees from the drafter's logits ``[R, L, V]``."""
     if logits.dim() != 3:
         raise ValueError(f"build_tree_from_logits: argument 'logits' must be 3-D "
                          f"[num_reqs, depth, vocab], got shape {tuple(logits.shape)}")
-    logprobs, ids = topk_ranked(logits, min(budget, logits.shape[-1]))
-    return build_tree(root_tokens, logprobs, ids, budget, spine)
+    k = max(widths) if widths else budget  # JetSpec's build reads only the widths' ranks
+    logprobs, ids = topk_ranked(logits, min(k, logits.shape[-1]))
+    return build_tree(root_tokens, logprobs, ids, budget, spine, widths)
 
 
 def verify_tree(trees: DraftTrees, target_tokens: torch.Tensor, max_depth: int) -> Verdict:

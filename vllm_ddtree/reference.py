@@ -13,7 +13,8 @@ import torch
 from vllm_ddtree.tree import DraftTrees, Verdict, mask_words
 
 
-def _build_one(root: int, lp: np.ndarray, ids: list, budget: int, spine: bool) -> tuple:
+def _build_one(root: int, lp: np.ndarray, ids: list, budget: int, spine: bool,
+               widths: list[int]) -> tuple:
     """One request's tree as lists (tokens, parents, depths, first, next, mask, scores)."""
     L, K = lp.shape
     N = budget + 1
@@ -35,6 +36,9 @@ def _build_one(root: int, lp: np.ndarray, ids: list, budget: int, spine: bool) -
         if rank + 1 < K:
             push(scores[parent] + lp[pos, rank + 1], parent, rank + 1, pos)
 
+    if widths:
+        _expand(lp, budget, spine, widths, scores, depths, add)
+        return _links(tokens, parents, depths, scores, N)
     if spine:
         parent = 0
         for pos in range(min(L, budget)):
@@ -49,7 +53,35 @@ def _build_one(root: int, lp: np.ndarray, ids: list, budget: int, spine: bool) -
         sibling(parent, rank, pos)
         if pos + 1 < L:
             push(score + lp[pos + 1, 0], node, 0, pos + 1)
+    return _links(tokens, parents, depths, scores, N)
 
+
+def _expand(lp: np.ndarray, budget: int, spine: bool, widths: list[int], scores: list,
+            depths: list, add) -> None:
+    """JetSpec's build: expand the best unexpanded node by (score descending, index
+    ascending), appending its children of ranks 0 .. width - 1, until budget + 1 nodes."""
+    L = lp.shape[0]
+    unexpanded = [(0.0, 0)]  # (-score, node index)
+    first_rank = {}
+    if spine:
+        parent = 0
+        for pos in range(min(L, budget)):
+            first_rank[parent] = 1  # its rank-0 child is the chain's next node
+            parent = add(scores[parent] + lp[pos, 0], parent, 0, pos)
+            heapq.heappush(unexpanded, (-float(scores[parent]), parent))
+    while len(scores) <= budget and unexpanded:
+        _, node = heapq.heappop(unexpanded)
+        pos = depths[node]
+        if pos >= L:
+            continue
+        for rank in range(first_rank.get(node, 0), widths[min(pos, len(widths) - 1)]):
+            if len(scores) > budget:
+                break
+            child = add(scores[node] + lp[pos, rank], node, rank, pos)
+            heapq.heappush(unexpanded, (-float(scores[child]), child))
+
+
+def _links(tokens: list, parents: list, depths: list, scores: list, N: int) -> tuple:
     children: list[list[int]] = [[] for _ in range(N)]
     for i in range(1, N):
         children[parents[i]].append(i)  # in index order = in rank order
@@ -68,12 +100,13 @@ def _build_one(root: int, lp: np.ndarray, ids: list, budget: int, spine: bool) -
 
 
 def build_tree(root_tokens: torch.Tensor, topk_logprobs: torch.Tensor, topk_ids: torch.Tensor,
-               budget: int, spine: bool) -> DraftTrees:
+               budget: int, spine: bool, widths: tuple[int, ...] = ()) -> DraftTrees:
     R, L, K = topk_logprobs.shape
     N, W = budget + 1, mask_words(budget + 1)
     lp = topk_logprobs.cpu().numpy().astype(np.float32)
     ids = topk_ids.cpu().tolist()
-    rows = [_build_one(int(root_tokens[r]), lp[r], ids[r], budget, spine) for r in range(R)]
+    rows = [_build_one(int(root_tokens[r]), lp[r], ids[r], budget, spine, list(widths))
+            for r in range(R)]
     dtypes = (np.int64, np.int32, np.int32, np.int32, np.int32, np.int32, np.float32)
     shapes = ((R, N),) * 5 + ((R, N, W), (R, N))
     return DraftTrees(*(torch.from_numpy(np.array([row[f] for row in rows], dtype=dtype)

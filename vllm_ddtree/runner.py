@@ -43,6 +43,7 @@ from vllm_ddtree.config import (
     deriving_drafter_config,
     drafter_graph_sizes,
     synthetic_rates_per_depth,
+    tree_widths,
 )
 from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, gdn_layers
 from vllm_ddtree.sampling import MinTokens, node_targets
@@ -58,6 +59,7 @@ class DDTreeProposer(DFlashProposer):
         spec = vllm_config.speculative_config
         super().__init__(vllm_config, device, runner)
         self.budget, self.depth, self.spine = spec.tree_budget, spec.tree_depth, spec.tree_spine
+        self.widths = tree_widths(spec)  # JetSpec's build; empty: best-first
         self.ddtree_state = DDTreeState(runner, self.budget, self.depth, self.spine)
         self._roots: torch.Tensor | None = None
         self._num_drafts, self._drafts = self.budget, None  # this step's, set by propose
@@ -118,7 +120,7 @@ class DDTreeProposer(DFlashProposer):
             self._drafts = logits[:, :self._num_drafts].argmax(dim=-1)
         else:
             trees = ops.build_tree_from_logits(self._roots[:R].to(torch.int64), logits,
-                                               self.budget, self.spine)
+                                               self.budget, self.spine, self.widths)
             req_ids = list(state.runner.input_batch.req_ids[:R])
             chains = [i for i, rid in enumerate(req_ids) if _structured(state.runner, rid)]
             if chains and not self.spine:  # with the spine, nodes 1..depth are that chain
@@ -156,7 +158,7 @@ class DDTreeProposer(DFlashProposer):
         logits = self.model.compute_logits(hidden)
         roots = torch.zeros(1, dtype=torch.int64, device=self.device)
         ops.build_tree_from_logits(roots, logits.view(1, self.depth, -1), self.budget,
-                                   self.spine)
+                                   self.spine, self.widths)
 
 
 class DDTreeState:

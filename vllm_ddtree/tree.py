@@ -31,6 +31,17 @@ the builder takes the B best prefixes: at each step the best candidate by (score
 parent index ascending, rank ascending) — the tie rule. A candidate is a node's next-ranked
 sibling or its first (rank-0) child, so the set is closed under ancestors. With ``spine``
 the rank-0 chain (depths 1..min(L, B)) is laid first and the rest is best-first.
+
+JetSpec's build (``widths``; arXiv 2606.18394): the builder repeatedly takes the best node
+not yet expanded, by (score descending, node index ascending), and appends its children of
+ranks 0 .. w(depth) - 1 (``widths[min(depth, len - 1)]``) until B nodes; the last node
+expanded may get fewer. It is not the B best prefixes: an expanded node takes its
+low-ranked children too. With ``spine`` the rank-0 chain is laid first, as above, and a
+chain node's rank-0 child is the next chain node.
+
+Spine guarantee, either build: with ``spine`` nodes 1..min(L, B) are the drafter's greedy
+chain, so a tree accepts at least what the DFlash chain of that depth would. Without it
+neither build promises the chain past the first token.
 """
 
 from __future__ import annotations

@@ -19,8 +19,11 @@ at::Tensor tree_positions_cpu(const at::Tensor& seq_lens, const at::Tensor& dept
 }
 
 TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
-                           const at::Tensor& topk_ids, int64_t budget, bool spine) {
-  check_build_args(root_tokens, topk_logprobs, topk_ids, budget);
+                           const at::Tensor& topk_ids, int64_t budget, bool spine,
+                           at::IntArrayRef width_list) {
+  const Widths widths =
+      make_widths(width_list, topk_logprobs.dim() == 3 ? topk_logprobs.size(2) : 0);
+  check_build_args(root_tokens, topk_logprobs, topk_ids, budget, widths);
   const int64_t R = topk_logprobs.size(0), L = topk_logprobs.size(1), K = topk_logprobs.size(2);
   const int64_t N = budget + 1, W = (N + 31) / 32;
   const auto lp = topk_logprobs.contiguous();
@@ -40,8 +43,8 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
                     out.first_child.data_ptr<int32_t>() + r * N,
                     out.next_sibling.data_ptr<int32_t>() + r * N,
                     out.scores.data_ptr<float>() + r * N, last_child.data()};
-      build_one_tree(lp.data_ptr<float>() + r * L * K, L, K, budget, spine,
-                     roots.data_ptr<int64_t>()[r], heap.data(), rows);
+      build_tree_of(lp.data_ptr<float>() + r * L * K, L, K, widths, budget, spine,
+                    roots.data_ptr<int64_t>()[r], heap.data(), rows);
       const int64_t* request_ids = ids.data_ptr<int64_t>() + r * L * K;
       for (int64_t i = 1; i < N; ++i) rows.token_ids[i] = request_ids[rows.token_ids[i]];
       // Parents precede children: a node's mask is its parent's plus its own bit.

@@ -53,7 +53,8 @@ static_assert((kMaxBudget + 1) * kBuildBytesPerNode <= kDefaultSmemBytes,
 __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
                                   const float* __restrict__ logprobs,
                                   const int64_t* __restrict__ ids, int32_t L, int32_t K,
-                                  int32_t budget, bool spine, bool stage_logprobs,
+                                  Widths widths, int32_t budget, bool spine,
+                                  bool stage_logprobs,
                                   int64_t* token_ids, int32_t* parents, int32_t* depths,
                                   int32_t* first_child, int32_t* next_sibling, int32_t* mask,
                                   float* scores) {
@@ -77,7 +78,7 @@ __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
   }
   if (threadIdx.x == 0) {
     TreeRows rows{s_tokens, s_parents, s_depths, s_first, s_next, s_scores, s_last};
-    build_one_tree(lp, L, K, budget, spine, roots[r], heap, rows);
+    build_tree_of(lp, L, K, widths, budget, spine, roots[r], heap, rows);
   }
   __syncthreads();
   for (int32_t i = threadIdx.x; i < N; i += blockDim.x) {
@@ -232,8 +233,11 @@ at::Tensor tree_positions_cuda(const at::Tensor& seq_lens, const at::Tensor& dep
 }
 
 TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
-                const at::Tensor& topk_ids, int64_t budget, bool spine) {
-  check_build_args(root_tokens, topk_logprobs, topk_ids, budget);
+                const at::Tensor& topk_ids, int64_t budget, bool spine,
+                at::IntArrayRef width_list) {
+  const Widths widths =
+      make_widths(width_list, topk_logprobs.dim() == 3 ? topk_logprobs.size(2) : 0);
+  check_build_args(root_tokens, topk_logprobs, topk_ids, budget, widths);
   const c10::cuda::CUDAGuard guard(topk_logprobs.device());
   const int64_t R = topk_logprobs.size(0), L = topk_logprobs.size(1), K = topk_logprobs.size(2);
   const int64_t N = budget + 1;
@@ -256,7 +260,7 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
     }
     DDTREE_LAUNCH(build_tree_kernel, R, kThreads, smem, c10::cuda::getCurrentCUDAStream())(
         roots.data_ptr<int64_t>(), lp.data_ptr<float>(), ids.data_ptr<int64_t>(), L, K,
-        budget, spine, stage, out.token_ids.data_ptr<int64_t>(),
+        widths, budget, spine, stage, out.token_ids.data_ptr<int64_t>(),
         out.parents.data_ptr<int32_t>(), out.depths.data_ptr<int32_t>(),
         out.first_child.data_ptr<int32_t>(), out.next_sibling.data_ptr<int32_t>(),
         out.mask.data_ptr<int32_t>(), out.scores.data_ptr<float>());

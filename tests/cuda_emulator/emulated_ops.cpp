@@ -31,7 +31,9 @@ __global__ void divergent_sync_kernel() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_positions", &vllm_ddtree::tree_positions_cuda);
-  m.def("build_tree", &vllm_ddtree::build_tree_cuda);
+  m.def("build_tree", &vllm_ddtree::build_tree_cuda, py::arg("root_tokens"),
+        py::arg("topk_logprobs"), py::arg("topk_ids"), py::arg("budget"), py::arg("spine"),
+        py::arg("widths") = std::vector<int64_t>{});
   m.def("verify_tree", &vllm_ddtree::verify_tree_cuda);
   m.def("compact_tree", [](const std::vector<at::Tensor>& kv_caches, const at::Tensor& hidden,
                            const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,

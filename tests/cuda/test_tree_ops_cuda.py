@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from test_tree_build import build_cases
+from test_tree_build import build_cases, jetspec_cases
 from test_tree_compact import (
     caches_of_two_geometries,
     compact_cases,
@@ -32,6 +32,18 @@ def test_build_cuda_equals_cpu(case) -> None:
                          case["k"], case["ties"])
     want = ops.build_tree(*inputs, case["budget"], case["spine"])
     got = ops.build_tree(*to(CUDA, *inputs), case["budget"], case["spine"])
+    for name, a, b in zip(want._fields, want, got):
+        assert torch.equal(a, b.cpu()), name
+
+
+@settings(max_examples=500, deadline=None)
+@given(case=jetspec_cases())
+def test_jetspec_build_cuda_equals_cpu(case) -> None:
+    inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
+                         case["k"], case["ties"])
+    args = (case["budget"], case["spine"], case["widths"])
+    want = ops.build_tree(*inputs, *args)
+    got = ops.build_tree(*to(CUDA, *inputs), *args)
     for name, a, b in zip(want._fields, want, got):
         assert torch.equal(a, b.cpu()), name
 

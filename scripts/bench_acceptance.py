@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Acceptance benchmark: no speculation vs the DFlash chain vs DDTree, in one run, on the
+"""Acceptance benchmark: no speculation vs the DFlash chain vs DDTree (and, with
+--jetspec-drafter, a JetSpec head with JetSpec's and DDTree's builds), in one run, on the
 same held-out prompts (the trained tiny pair by default: scripts/train_tiny_pair.py).
 
 For each mode and concurrency: mean acceptance length (tokens committed per verify step),
@@ -35,13 +36,19 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on the CPU platform
 
 
 def modes(drafter: str, budgets: list[int], depth: int, dynamic: Sequence[str] = (),
-          max_reqs: int = 256) -> list[tuple[str, dict | None]]:
+          max_reqs: int = 256, jetspec: str | None = None) -> list[tuple[str, dict | None]]:
+    """The modes of a run; with ``jetspec`` (a JetSpec head) also that head with JetSpec's
+    build and with DDTree's best-first build, at every budget (spine on, as DDTree's)."""
     out: list[tuple[str, dict | None]] = [("none", None), (
         "dflash", {"method": "dflash", "model": drafter, "num_speculative_tokens": depth})]
     for spine in (True, False):
         for b in budgets:
             out.append((f"ddtree B={b}{' spine' if spine else ''}", {
                 "method": "ddtree", "model": drafter, "tree_budget": b, "tree_spine": spine}))
+    for b in budgets if jetspec else ():
+        for build in ("jetspec", "best_first"):
+            out.append((f"jetspec head, {build} B={b} spine", {
+                "method": "ddtree", "model": jetspec, "tree_budget": b, "tree_build": build}))
     for pair in dynamic:
         b, tokens = (int(x) for x in pair.split(":"))
         out.append((f"ddtree B={b} spine, {tokens} tokens/step", {
@@ -313,6 +320,8 @@ def main() -> int:
     parser.add_argument("--dynamic", nargs="*", default=[], metavar="B:TOKENS",
                         help="also ddtree at budget B with vLLM's dynamic speculative "
                              "decoding, trees cut to keep a verify step near TOKENS tokens")
+    parser.add_argument("--jetspec-drafter", help="also a JetSpec head (causal_head) with both "
+                        "builds, e.g. a train_tiny_pair.py --jetspec output's drafter/")
     parser.add_argument("--modes", nargs="*", help="run only these modes (names as printed)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args()
@@ -332,7 +341,7 @@ def main() -> int:
     results = []
     for conc in args.concurrency:
         for name, spec in modes(args.drafter, args.budgets, block - 1, args.dynamic,
-                                max(args.concurrency)):
+                                max(args.concurrency), args.jetspec_drafter):
             if args.modes and name not in args.modes:
                 continue
             print(f"--- {name}, concurrency {conc}", file=sys.stderr, flush=True)

@@ -11,6 +11,12 @@ and a held-out part (a file's split depends only on its path). Stages, each resu
    ``target_layer_ids`` at every earlier position, loss decaying with depth;
 4. held-out prompts (token ids) for scripts/bench_acceptance.py.
 
+--jetspec: a JetSpec head (arXiv 2606.18394) instead, for an already trained target
+(--target, default the shipped pair's; its tokenizer and weights are copied, not trained):
+the same drafter with causal attention inside the block, trained by forward-KL distillation
+against the frozen target's distribution at every block position, saved in JetSpec's
+checkpoint format (DFlash's, with dflash_config.causal_head: true).
+
 OUT/target and OUT/drafter are written in the formats vLLM loads (the z-lab format for the
 drafter, as make_tiny_models.py writes it). Deterministic from --seed on a given machine;
 OUT/train/*.pt hold the last checkpoint of each stage, so a rerun continues where the last
@@ -69,10 +75,12 @@ class Recipe:
     num_prompts: int = 64
     prompt_len: int = 64
     checkpoint_every: int = 50
+    causal_head: bool = False  # JetSpec: causal in-block attention, forward-KL distillation
 
 
 HELD_OUT_EVERY = 10  # one file in ten (by path hash) is held out
 DEFAULT_OUT = Path.home() / ".cache" / "vllm-ddtree" / "tiny-pair"
+DEFAULT_JETSPEC_OUT = Path.home() / ".cache" / "vllm-ddtree" / "tiny-jetspec"
 
 
 # --- corpus -------------------------------------------------------------------------------
@@ -248,7 +256,8 @@ def block_inputs(r: Recipe, anchors: torch.Tensor, seq_len: int, mask_id: int, i
     """Query ids, positions and mask for blocks anchored at ``anchors [N, K]`` in sequences
     ``ids [N, T]``: block k is ``[ids[a_k], mask * (block_size - 1)]`` at positions a_k...;
     its queries see the context before a_k (the target has not run the anchor yet) and
-    their own block, both ways."""
+    their own block: both ways (DFlash), or, for a JetSpec head, the block's earlier
+    queries and themselves."""
     N, K = anchors.shape
     S = r.block_size
     pos = (anchors[..., None] + torch.arange(S)).reshape(N, K * S)
@@ -256,7 +265,10 @@ def block_inputs(r: Recipe, anchors: torch.Tensor, seq_len: int, mask_id: int, i
     qids[..., 0] = torch.gather(ids, 1, anchors)
     sees_ctx = torch.arange(seq_len) < anchors.repeat_interleave(S, 1)[..., None]
     block = torch.arange(K).repeat_interleave(S)
-    sees_block = (block[:, None] == block[None, :]).expand(N, -1, -1)
+    sees_block = block[:, None] == block[None, :]
+    if r.causal_head:
+        sees_block &= torch.arange(K * S)[:, None] >= torch.arange(K * S)[None, :]
+    sees_block = sees_block.expand(N, -1, -1)
     return qids.view(N, K * S), pos, torch.cat([sees_ctx, sees_block], -1)
 
 
@@ -264,13 +276,21 @@ def drafter_loss(r: Recipe, drafter: Drafter, target: Target, ids: torch.Tensor,
                  anchors: torch.Tensor, mask_id: int) -> torch.Tensor:
     N, T = ids.shape
     with torch.no_grad():
-        _, ctx = target(ids)
+        target_logits, ctx = target(ids)
     qids, qpos, mask = block_inputs(r, anchors, T, mask_id, ids)
     logits = drafter(qids, qpos, ctx, torch.arange(T).expand(N, T), mask)
     S = r.block_size
     logits = logits.view(N, -1, S, logits.shape[-1])[:, :, 1:]  # depth k predicts a + k
-    labels = torch.gather(ids, 1, (anchors[..., None] + torch.arange(1, S)).view(N, -1))
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.view(-1).long(),
+    at = (anchors[..., None] + torch.arange(1, S)).view(N, -1)
+    if r.causal_head:
+        # Forward KL to the target's distribution of token a + k (its logits at a + k - 1);
+        # the target's entropy is a constant, so the cross-entropy's gradient is the KL's.
+        rows = torch.gather(target_logits, 1, (at - 1)[..., None].expand(
+            -1, -1, target_logits.shape[-1]))
+        labels = F.softmax(rows.float(), -1).reshape(-1, rows.shape[-1])
+    else:
+        labels = torch.gather(ids, 1, at).view(-1).long()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels,
                          reduction="none").view(N, -1, S - 1)
     weight = torch.exp(-torch.arange(S - 1) / r.loss_decay)
     return (ce * weight).sum(-1).mean() / weight.sum()
@@ -346,7 +366,8 @@ def save_drafter(r: Recipe, drafter: Drafter, out: Path, vocab: int, eos: int, m
         asdict(r.drafter), vocab, eos, rope_theta=r.rope_theta, rms_norm_eps=r.eps,
         architectures=["DFlashDraftModel"], block_size=r.block_size,
         num_target_layers=r.target.num_hidden_layers,
-        dflash_config={"mask_token_id": mask_id, "target_layer_ids": list(r.target_layer_ids)})
+        dflash_config={"mask_token_id": mask_id, "target_layer_ids": list(r.target_layer_ids),
+                       **({"causal_head": True} if r.causal_head else {})})
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -356,7 +377,9 @@ def special_ids(tokenizer_dir: Path) -> tuple[int, int, int]:
     return ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|mask|>"]
 
 
-def run(out: Path, r: Recipe) -> None:
+def run(out: Path, r: Recipe, target_from: Path | None = None) -> None:
+    """Train the stages into ``out``; with ``target_from``, its trained target (tokenizer,
+    config, weights) is copied and frozen instead of trained."""
     torch.manual_seed(r.seed)
     work = out / "train"
     work.mkdir(parents=True, exist_ok=True)
@@ -371,6 +394,8 @@ def run(out: Path, r: Recipe) -> None:
     t0 = time.monotonic()
 
     train_files, held_files = corpus_split()
+    if target_from is not None and not (out / "target" / "tokenizer.json").exists():
+        shutil.copytree(target_from, out / "target", dirs_exist_ok=True)
     if not (out / "target" / "tokenizer.json").exists():
         train_tokenizer(out / "target", r.vocab_size, train_files)
     sep, eos, mask_id = special_ids(out / "target")
@@ -386,10 +411,15 @@ def run(out: Path, r: Recipe) -> None:
           f"{len(held_files)} files, {len(data['held_out'])} tokens held out; vocab {vocab}")
 
     target = Target(r, vocab)
-    train("target", r, target, r.target_steps, r.target_lr, work / "target.pt",
-          lambda step: _target_loss(target, batch_at(r, data["train"], step, 0, r.seq_len + 1)))
+    if target_from is None:
+        train("target", r, target, r.target_steps, r.target_lr, work / "target.pt",
+              lambda step: _target_loss(target, batch_at(r, data["train"], step, 0,
+                                                         r.seq_len + 1)))
+        save_target(r, target, out / "target", vocab, eos)
+    else:  # shipped in bf16: the same values in float32, as vLLM serves them
+        target.load_state_dict({k: v.float() for k, v in
+                                load_file(out / "target" / "model.safetensors").items()})
     target.eval().requires_grad_(False)
-    save_target(r, target, out / "target", vocab, eos)
 
     drafter = Drafter(r, target)
     train("drafter", r, drafter, r.drafter_steps, r.drafter_lr, work / "drafter.pt",
@@ -438,20 +468,26 @@ def _target_loss(target: Target, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
-def ship(out: Path, dest: Path) -> None:
+def ship(out: Path, dest: Path, jetspec: bool = False) -> None:
     """Copy the trained pair in ``out`` to ``dest`` with its weights in bfloat16 (half the
     bytes in git; the configs keep float32, so vLLM computes in float32 from the bf16 values)
-    and write ``dest/SHA256SUMS``, which scripts/demo.sh checks before it serves the pair."""
-    sources = sorted([*(out / "target").iterdir(), *(out / "drafter").iterdir(),
-                      out / "heldout_prompts.json"])
-    files = [dest / f.relative_to(out) for f in sources]
-    for src, dst in zip(sources, files):
+    and write ``dest/SHA256SUMS`` over every file there, which scripts/demo.sh checks before
+    it serves the pair. ``jetspec``: only ``out``'s head, as ``dest/jetspec-drafter``."""
+    if jetspec:
+        sources = sorted((out / "drafter").iterdir())
+        copies = [dest / "jetspec-drafter" / f.name for f in sources]
+    else:
+        sources = sorted([*(out / "target").iterdir(), *(out / "drafter").iterdir(),
+                          out / "heldout_prompts.json"])
+        copies = [dest / f.relative_to(out) for f in sources]
+    for src, dst in zip(sources, copies):
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.name == "model.safetensors":
             weights = {k: v.to(torch.bfloat16) for k, v in load_file(src).items()}
             save_file(weights, dst, metadata={"format": "pt"})
         else:
             shutil.copyfile(src, dst)
+    files = sorted(f for f in dest.rglob("*") if f.is_file() and f.name != "SHA256SUMS")
     (dest / "SHA256SUMS").write_text("".join(
         f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.relative_to(dest)}\n" for f in files))
     print(f"shipped: {dest} ({sum(f.stat().st_size for f in files) / 2**20:.1f} MiB)")
@@ -460,19 +496,26 @@ def ship(out: Path, dest: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=Recipe.seed)
     parser.add_argument("--target-steps", type=int, default=Recipe.target_steps)
     parser.add_argument("--drafter-steps", type=int, default=Recipe.drafter_steps)
+    parser.add_argument("--jetspec", action="store_true",
+                        help="train a JetSpec head for --target instead of a pair (default "
+                        "--out: ~/.cache/vllm-ddtree/tiny-jetspec)")
+    parser.add_argument("--target", type=Path, default=SHIPPED / "target",
+                        help="with --jetspec: the trained target (default: the shipped one)")
     parser.add_argument("--ship", type=Path, nargs="?", const=SHIPPED, default=None,
                         help="then copy the pair, weights in bf16, with SHA256SUMS, to SHIP "
                              f"(default {SHIPPED.relative_to(SHIPPED.parents[1])}: the pair "
                              "scripts/demo.sh serves)")
     args = parser.parse_args()
-    run(args.out, Recipe(seed=args.seed, target_steps=args.target_steps,
-                         drafter_steps=args.drafter_steps))
+    out = args.out or (DEFAULT_JETSPEC_OUT if args.jetspec else DEFAULT_OUT)
+    run(out, Recipe(seed=args.seed, target_steps=args.target_steps,
+                    drafter_steps=args.drafter_steps, causal_head=args.jetspec),
+        target_from=args.target if args.jetspec else None)
     if args.ship:
-        ship(args.out, args.ship)
+        ship(out, args.ship, jetspec=args.jetspec)
 
 
 if __name__ == "__main__":

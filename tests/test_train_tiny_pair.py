@@ -1,7 +1,8 @@
 """The training side of the tiny pair (scripts/train_tiny_pair.py) computes what vLLM computes:
-its drafter gives the logits of vLLM's DFlashQwen3ForCausalLM at every step of a real
-generation, and its target the log-probs of vLLM's Qwen3, for the same weights; and a short
-training run writes checkpoints that vLLM loads and resumes where it stopped."""
+its drafter (DFlash's, or a JetSpec head's) gives the logits of vLLM's DFlashQwen3ForCausalLM
+at every step of a real generation, and its target the log-probs of vLLM's Qwen3, for the
+same weights; and a short training run writes checkpoints that vLLM loads and resumes where
+it stopped."""
 
 from __future__ import annotations
 
@@ -32,22 +33,25 @@ def randomized(module: torch.nn.Module, seed: int) -> None:
             p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.08 * noise)
 
 
-@pytest.fixture(scope="module")
-def random_pair(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=[False, True], ids=["dflash", "jetspec"])
+def random_pair(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory, request):
+    """The training code's pair with random weights, saved as vLLM loads it: with a DFlash
+    drafter, or a JetSpec head (causal in-block attention, dflash_config.causal_head)."""
+    recipe = replace(SMALL, causal_head=request.param)
     out = tmp_path_factory.mktemp("trained_format")
     shutil.copytree(tiny_models / "target", out / "target",
                     ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
     vocab = json.loads((tiny_models / "target" / "config.json").read_text())["vocab_size"]
     _, eos, mask_id = ttp.special_ids(out / "target")
-    target = ttp.Target(SMALL, vocab)
+    target = ttp.Target(recipe, vocab)
     randomized(target, seed=1)
-    drafter = ttp.Drafter(SMALL, target)
+    drafter = ttp.Drafter(recipe, target)
     randomized(drafter, seed=2)
     target.eval().requires_grad_(False)
     drafter.eval().requires_grad_(False)
-    ttp.save_target(SMALL, target, out / "target", vocab, eos)
-    ttp.save_drafter(SMALL, drafter, out / "drafter", vocab, eos, mask_id)
-    return out, target, drafter, mask_id
+    ttp.save_target(recipe, target, out / "target", vocab, eos)
+    ttp.save_drafter(recipe, drafter, out / "drafter", vocab, eos, mask_id)
+    return out, target, drafter, mask_id, recipe
 
 
 def test_drafter_and_target_match_vllm(random_pair, monkeypatch) -> None:
@@ -55,7 +59,7 @@ def test_drafter_and_target_match_vllm(random_pair, monkeypatch) -> None:
 
     from vllm_ddtree.runner import DDTreeProposer
 
-    out, target, drafter, mask_id = random_pair
+    out, target, drafter, mask_id, recipe = random_pair
     depth = SMALL.block_size - 1
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     vllm_draft_logits = DDTreeProposer.draft_logits
@@ -96,6 +100,8 @@ def test_drafter_and_target_match_vllm(random_pair, monkeypatch) -> None:
         _, ctx = target(seq[None, :n])
         block = torch.tensor([[int(seq[n])] + [mask_id] * depth])
         mask = torch.ones(1, 1 + depth, n + 1 + depth, dtype=torch.bool)
+        if recipe.causal_head:  # the block's later queries are hidden from earlier ones
+            mask[0, :, n:] = torch.ones(1 + depth, 1 + depth, dtype=torch.bool).tril()
         ours = drafter(block, torch.arange(n, n + 1 + depth)[None], ctx,
                        torch.arange(n)[None], mask)[0, 1:]
         torch.testing.assert_close(ours, vllm_logits, atol=2e-4, rtol=1e-4)

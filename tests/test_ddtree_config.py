@@ -134,7 +134,7 @@ def test_recurrent_targets_other_than_gdn_are_refused(arch: str, hf: dict, kind:
                                  has_inner_state=True, get_vocab_size=lambda: 64,
                                  architectures=[arch], hf_text_config=SimpleNamespace(**hf))
         return SimpleNamespace(model="drafter", num_speculative_tokens=None, tree_budget=16,
-                               target_model_config=target,
+                               tree_build=None, tree_width=None, target_model_config=target,
                                draft_model_config=SimpleNamespace(hf_config=drafter))
 
     spec = spec_for(arch, hf)

@@ -103,7 +103,8 @@ def test_method_jetspec_and_the_head_pick_the_build(tiny_models: Path, jetspec_p
     ({"causal": False}, {}, "dflash_config.causal is False but dflash_config.causal_head is "
                             "true"),
     ({"causal_head": "yes"}, {}, "dflash_config.causal_head must be true or false"),
-    ({"mask_token_id": None}, {}, "dflash_config has no mask_token_id"),
+    ({"mask_token_id": None}, {}, "dflash_config has no mask_token_id, which a causal"),
+    ({"target_layer_ids": None}, {}, "dflash_config has no target_layer_ids"),
     ({}, {"tree_width": 0}, "tree_width must be an integer in \\[1, 1024\\]"),
     ({}, {"tree_width": 2000}, "tree_width must be an integer in \\[1, 1024\\]"),
     ({}, {"tree_width": [2] * 33}, "tree_width must be an integer .* list of 1 to 32"),

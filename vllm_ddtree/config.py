@@ -138,10 +138,10 @@ def _verify_head(spec: Any, hf: Any) -> bool:
             raise ValueError(f"speculative_config.model {spec.model!r}: {name} is {value!r} "
                              f"but dflash_config.causal_head is true (a causal JetSpec head); "
                              f"the drafter's config must not contradict itself")
-    for name in ("mask_token_id", "target_layer_ids"):
+    for name in ("mask_token_id", "target_layer_ids") if causal_head else ():
         if name not in dflash:
             raise ValueError(f"speculative_config.model {spec.model!r}: dflash_config has no "
-                             f"{name}, which its drafting needs")
+                             f"{name}, which a causal (JetSpec) head needs")
     return bool(causal_head)
 
 

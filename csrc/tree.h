@@ -13,6 +13,13 @@
 
 namespace vllm_ddtree {
 
+// The score's bits mapped to an unsigned order: a larger float, larger bits.
+DDTREE_HD inline uint32_t ordered_bits(float score) {
+  uint32_t bits;
+  memcpy(&bits, &score, sizeof(bits));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
 // A candidate node: the `rank`-th token under node `parent` (at drafter position
 // depths[parent]). It is one 64-bit key, so the heap compares and moves 8 bytes: the score's
 // bits mapped to an unsigned order (high 32 bits), then parent and rank inverted (11 bits
@@ -22,10 +29,7 @@ struct Candidate {
   uint64_t key;
 
   DDTREE_HD static Candidate make(float score, int32_t parent, int32_t rank) {
-    uint32_t bits;
-    memcpy(&bits, &score, sizeof(bits));
-    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    return {(static_cast<uint64_t>(bits) << 22) | (static_cast<uint64_t>(2047 - parent) << 11) |
+    return {(static_cast<uint64_t>(ordered_bits(score)) << 22) | (static_cast<uint64_t>(2047 - parent) << 11) |
                 static_cast<uint64_t>(2047 - rank)};
   }
   DDTREE_HD float score() const {

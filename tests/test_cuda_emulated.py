@@ -2,9 +2,16 @@
 threads by tests/cuda_emulator, against the CPU ops as the oracle, on the cases of the CUDA
 suite (tests/cuda, which needs a GPU). What this shows: the kernels' indexing, shared-memory
 layouts and sizes, barriers and launch configurations (the 48 KiB opt-in included) give the
-CPU ops' results. What it cannot: timing, graph capture, the compiler's device code."""
+CPU ops' results. What it cannot: timing, graph capture, the compiler's device code.
+
+The build kernel runs best-first builds in parallel within a request where the input allows
+(rank-sorted log-probs at most 0) and serially otherwise; the emulator counts which ran, so
+the tests below show the path they exercise, at several block widths (the emulator's cap on
+the kernel's threads: 32 for the many small cases, a GPU's 1024 for the largest)."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -17,35 +24,117 @@ from test_tree_compact import (
     step_args,
 )
 from test_tree_verify import verify_cases
-from tree_cases import follow_choices, random_topk, wide_trees
+from tree_cases import follow_choices, num_prefixes, random_topk, wide_trees
 
 from vllm_ddtree import ops
 
 
 def assert_equal_outputs(want, got) -> None:
+    """Equal bit for bit (NaN scores included)."""
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
+        if a.dtype == torch.float32:
+            a, b = a.view(torch.int32), b.view(torch.int32)
         assert a.dtype == b.dtype and torch.equal(a, b), f"output {i} differs"
+
+
+@contextmanager
+def build_threads(emulated, threads: int):
+    """The build kernel launched with at most ``threads`` per block; yields a function
+    returning (parallel, serial) builds since the block began."""
+    emulated.set_build_max_threads(threads)
+    emulated.take_build_counts()
+    counts = [0, 0]
+
+    def taken() -> tuple[int, int]:
+        parallel, serial = emulated.take_build_counts()
+        counts[0] += parallel
+        counts[1] += serial
+        return counts[0], counts[1]
+
+    try:
+        yield taken
+    finally:
+        emulated.set_build_max_threads(1024)
+
+
+def assert_build_equals_cpu(emulated, case) -> tuple[torch.Tensor, ...]:
+    inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
+                         case["k"], case["ties"])
+    args = (*inputs, case["budget"], case["spine"])
+    assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args), emulated.build_tree(*args))
+    return inputs
 
 
 @settings(max_examples=1000, deadline=None)
 @given(case=build_cases())
 def test_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
-    inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
-                         case["k"], case["ties"])
-    args = (*inputs, case["budget"], case["spine"])
-    assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args),
-                         emulated_cuda_ops.build_tree(*args))
+    with build_threads(emulated_cuda_ops, 32) as taken:
+        assert_build_equals_cpu(emulated_cuda_ops, case)
+        parallel, serial = taken()
+    # Sorted log-probs without ties at the threshold: always the parallel build.
+    assert serial == 0 or case["ties"]
+    assert parallel + serial == case["num_reqs"]
+
+
+@pytest.mark.parametrize("threads", [64, 256, 1024])
+@settings(max_examples=60, deadline=None)
+@given(case=build_cases())
+def test_parallel_build_at_several_block_widths(emulated_cuda_ops, threads, case) -> None:
+    # More than one warp: the block scan across warps, the strided loops.
+    with build_threads(emulated_cuda_ops, threads) as taken:
+        assert_build_equals_cpu(emulated_cuda_ops, case)
+        assert taken()[1] == 0 or case["ties"]
+
+
+def test_parallel_build_resolves_ties_by_the_tie_rule(emulated_cuda_ops) -> None:
+    """Integer log-probs: prefixes of equal score under different parents, at every depth,
+    which the parallel build orders by walking up the parents. Most requests take it (a
+    score tied more times than its enumeration holds goes serial)."""
+    with build_threads(emulated_cuda_ops, 64) as taken:
+        for seed in range(40):
+            depth, k = 2 + seed % 7, 4 + seed % 9
+            assert_build_equals_cpu(emulated_cuda_ops, dict(
+                seed=seed, num_reqs=2, depth=depth, vocab=17, k=k,
+                budget=min(10 + 13 * seed, num_prefixes(depth, k)), ties=True,
+                spine=seed % 2 == 0))
+        parallel, serial = taken()
+    assert parallel >= 60 and parallel + serial == 80, (parallel, serial)
+
+
+@pytest.mark.parametrize("spoil", ["unsorted", "positive", "nan", "negative_zero"])
+def test_build_kernel_goes_serial_on_input_the_parallel_build_cannot_take(
+        emulated_cuda_ops, spoil) -> None:
+    roots, logprobs, ids = random_topk(7, 3, 6, 40, 12, ties=False)
+    if spoil == "unsorted":
+        logprobs = logprobs.flip(-1).contiguous()
+    elif spoil == "positive":
+        logprobs = logprobs + 3.0
+    elif spoil == "nan":
+        logprobs[1, 2, 5] = float("nan")
+    else:  # -0.0: sorted, not above 0, but the serial build's scores tell it from +0.0
+        logprobs[1, :, 0] = -0.0
+    with build_threads(emulated_cuda_ops, 64) as taken:
+        for spine in (False, True):
+            args = (roots, logprobs, ids, 100, spine)
+            assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args),
+                                 emulated_cuda_ops.build_tree(*args))
+        parallel, serial = taken()
+    # NaN and -0.0 spoil request 1 only.
+    assert (parallel, serial) == ((4, 2) if spoil in ("nan", "negative_zero") else (0, 6))
 
 
 @pytest.mark.parametrize("depth, k", [(16, 1024), (64, 1024)])
 @pytest.mark.parametrize("spine", [False, True])
 def test_build_kernel_at_the_largest_budget(emulated_cuda_ops, depth, k, spine) -> None:
-    # Depth 16: the log-probs are staged in shared memory past the 48 KiB default (105 KiB),
-    # which the emulator refuses unless the launch code opted in. Depth 64: not staged.
+    # As a GPU launches it: 1024 threads, shared memory opted in past the 48 KiB default
+    # (which the emulator refuses otherwise), the log-probs staged at depth 16 (224 KiB in
+    # all) and read from global memory at depth 64.
     inputs = random_topk(depth * k, 2, depth, 2 * k, k, ties=False)
     want = torch.ops.vllm_ddtree.build_tree(*inputs, 1024, spine)
-    assert_equal_outputs(want, emulated_cuda_ops.build_tree(*inputs, 1024, spine))
+    with build_threads(emulated_cuda_ops, 1024) as taken:
+        assert_equal_outputs(want, emulated_cuda_ops.build_tree(*inputs, 1024, spine))
+        assert taken() == (2, 0)
 
 
 @settings(max_examples=1000, deadline=None)

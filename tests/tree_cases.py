@@ -27,7 +27,9 @@ def random_topk(seed: int, num_reqs: int, depth: int, vocab: int, k: int,
         logits = torch.round(logits)
     logprobs, ids = ops.topk_ranked(logits, k)
     if ties:
-        logprobs = torch.round(logprobs)  # exact small integers: many equal prefix sums
+        # Exact small integers: many equal prefix sums (+0.0 for a rounded-away -0.3, as a
+        # log-softmax gives).
+        logprobs = torch.round(logprobs) + 0.0
     roots = torch.randint(0, vocab, (num_reqs,), generator=gen)
     return roots, logprobs, ids
 

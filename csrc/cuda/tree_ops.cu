@@ -15,6 +15,8 @@
 #endif
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -37,48 +39,366 @@ __global__ void tree_positions_kernel(const int64_t* __restrict__ seq_lens,
   if (idx < total) positions[idx] = seq_lens[idx / num_nodes] + depths[idx];
 }
 
-// Shared memory of one request's build: the heap, then the tree's rows (the builder reads
-// back a parent's depth and score and a node's last child at every step: in shared memory
-// these dependent reads take tens of cycles, where global memory's went through L2), then,
-// where it fits, the request's top-k log-probs (read twice per node on the serial path).
-constexpr size_t kBuildBytesPerNode =
-    sizeof(Candidate) + sizeof(int64_t) + sizeof(float) + 5 * sizeof(int32_t);
-static_assert((kMaxBudget + 1) * kBuildBytesPerNode <= kDefaultSmemBytes,
-              "a build must fit the default 48 KiB of dynamic shared memory");
+// ---- The build: one block per request. ----
+//
+// Best-first (no widths), on rank-sorted log-probs that are at most 0 (topk_ranked's), runs
+// in parallel within the block. A prefix then scores no more than its parent or its
+// lower-ranked sibling, so the heap pops in key order and the tree is the `need` best
+// non-spine prefixes by the tie rule (tree.py). The block finds a score threshold t whose
+// prefixes above it number between need and a cap (bisection; each try enumerates them
+// depth by depth: per node a binary search for its children above t, a block scan to place
+// them), sorts those by score, orders equal scores by the tie rule (walking up the parents),
+// and keeps the first need. Other inputs (unsorted, positive or NaN log-probs; more ties at
+// the threshold than the cap; JetSpec's widths) take the serial heap of tree.h on thread 0,
+// which stays the definition: both give the CPU op's tree, bit for bit.
 
-// One block per request: the block stages the log-probs (if stage_logprobs), thread 0 runs
-// the best-first heap and writes the tree's rows in shared memory; then every thread copies
-// rows out, looks its nodes' token ids up, and fills their ancestor masks by walking their
-// parent chains (depth <= L).
+constexpr unsigned int kFullMask = 0xffffffffu;
+constexpr int32_t kMaxThresholdTries = 64;
+#ifndef DDTREE_BUILD_MAX_THREADS
+#define DDTREE_BUILD_MAX_THREADS 1024
+#endif
+#ifndef DDTREE_COUNT_BUILD  // the emulator counts which build each request took
+#define DDTREE_COUNT_BUILD(parallel)
+#endif
+
+// Bytes per node of the tree's rows in shared memory: token (flat top-k index) 8, score,
+// parent, depth, first child, next sibling, last child (serial build's scratch) 4 each.
+constexpr size_t kRowBytesPerNode = sizeof(int64_t) + 6 * sizeof(int32_t);
+// Bytes per entry of the parallel build's enumeration: sort key (the scan's counts share
+// it) 8, score, parent, rank, depth-and-spine flag, node index 4 each.
+constexpr size_t kEnumBytesPerEntry = sizeof(uint64_t) + 5 * sizeof(int32_t);
+constexpr size_t kWarpSumsBytes = 32 * sizeof(int32_t);
+
+// Entries the enumeration holds: a power of two (the sort's) >= 2 * budget + L + 1, so the
+// cap on counted prefixes, entries - L - 1, is at least twice the budget; and at least 256,
+// which small trees' ties (a vocabulary of one scores every prefix 0) fit in.
+inline int64_t enumeration_entries(int64_t budget, int64_t L) {
+  int64_t p = 256;
+  while (p < 2 * budget + L + 1) p *= 2;
+  return p;
+}
+
+// Exclusive prefix sum of v over the block (blockDim.x a multiple of 32); `total` is the
+// sum. Every thread calls it; warp_sums is 32 ints of shared memory.
+__device__ inline int32_t block_exclusive_scan(int32_t v, int32_t* warp_sums, int32_t& total) {
+  const int32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  int32_t x = v;
+  for (int32_t o = 1; o < 32; o *= 2) {
+    const int32_t y = __shfl_up_sync(kFullMask, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = lane < warps ? warp_sums[lane] : 0;
+    for (int32_t o = 1; o < 32; o *= 2) {
+      const int32_t y = __shfl_up_sync(kFullMask, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < warps) warp_sums[lane] = w;
+  }
+  __syncthreads();
+  total = warp_sums[warps - 1];
+  const int32_t before = (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
+  __syncthreads();  // warp_sums is free again
+  return before;
+}
+
+// In place: a[0..n) becomes its exclusive prefix sum; returns the total.
+__device__ inline int32_t scan_in_place(int32_t* a, int32_t n, int32_t* warp_sums) {
+  const int32_t per = (n + blockDim.x - 1) / blockDim.x;
+  const int32_t mine = static_cast<int32_t>(threadIdx.x) * per;
+  const int32_t begin = mine < n ? mine : n, end = begin + per < n ? begin + per : n;
+  int32_t sum = 0;
+  for (int32_t i = begin; i < end; ++i) sum += a[i];
+  int32_t total;
+  int32_t run = block_exclusive_scan(sum, warp_sums, total);
+  for (int32_t i = begin; i < end; ++i) {
+    const int32_t c = a[i];
+    a[i] = run;
+    run += c;
+  }
+  __syncthreads();
+  return total;
+}
+
+// The enumeration: entry 0 is the root; the entries of depth d + 1 follow those of depth d,
+// each node's children contiguous and in rank order. meta = depth << 1 | on-spine (the
+// root and, with spine, the rank-0 chain to depth Lc: the tree's nodes 0..Lc).
+struct Enumeration {
+  uint64_t* keys;
+  float* score;
+  int32_t *parent, *rank, *meta, *index, *warp_sums;
+  int32_t capacity;
+
+  __device__ int32_t depth(int32_t e) const { return meta[e] >> 1; }
+  __device__ bool on_spine(int32_t e) const { return meta[e] & 1; }
+
+  // Every prefix scoring >= t, depth by depth; returns how many are off the spine, or
+  // cap + 1 once they are more than cap. `size` gets the entries used.
+  __device__ int32_t enumerate(float t, const float* lp, int32_t L, int32_t K, int32_t Lc,
+                               int32_t cap, int32_t& size) {
+    auto* counts = reinterpret_cast<int32_t*>(keys);
+    if (threadIdx.x == 0) {
+      score[0] = 0.0f;
+      parent[0] = -1;
+      rank[0] = 0;
+      meta[0] = 1;
+    }
+    __syncthreads();
+    int32_t begin = 0, end = 1, counted = 0;
+    for (int32_t d = 0; d < L && end > begin; ++d) {
+      const int32_t n = end - begin;
+      const float* row = lp + static_cast<int64_t>(d) * K;
+      for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float s = score[begin + i];
+        int32_t lo = 0, hi = K;  // children above t: a rank prefix (row is sorted)
+        while (lo < hi) {
+          const int32_t mid = (lo + hi) / 2;
+          if (s + row[mid] >= t) lo = mid + 1; else hi = mid;
+        }
+        counts[i] = lo;
+      }
+      __syncthreads();
+      // A level's first entry is its spine node (by induction from the root), whose rank-0
+      // child continues the spine while d < Lc.
+      const bool spine_child = on_spine(begin) && d < Lc && counts[0] > 0;
+      const int32_t total = scan_in_place(counts, n, warp_sums);
+      counted += total - (spine_child ? 1 : 0);
+      if (counted > cap || end + total > capacity) return cap + 1;
+      for (int32_t j = threadIdx.x; j < total; j += blockDim.x) {
+        int32_t lo = 0, hi = n;  // the parent: the last i with counts[i] <= j
+        while (lo < hi) {
+          const int32_t mid = (lo + hi) / 2;
+          if (counts[mid] <= j) lo = mid + 1; else hi = mid;
+        }
+        const int32_t p = begin + lo - 1, r = j - counts[lo - 1], e = end + j;
+        score[e] = score[p] + row[r];
+        parent[e] = p;
+        rank[e] = r;
+        meta[e] = (d + 1) << 1 | (j == 0 && spine_child ? 1 : 0);
+      }
+      __syncthreads();
+      begin = end;
+      end += total;
+    }
+    size = end;
+    return counted;
+  }
+
+  // The tie rule between off-spine entries a != b: score, then the parents' order (spine
+  // nodes first, by depth; others recursively), then rank. (No score is -0.0 or NaN, so
+  // floats compare as the heap's bits do.)
+  __device__ bool before(int32_t a, int32_t b) const {
+    while (true) {
+      if (score[a] != score[b]) return score[a] > score[b];
+      const int32_t pa = parent[a], pb = parent[b];
+      if (pa == pb) return rank[a] < rank[b];
+      if (on_spine(pa) || on_spine(pb)) {
+        return on_spine(pa) && on_spine(pb) ? depth(pa) < depth(pb) : on_spine(pa);
+      }
+      a = pa;
+      b = pb;
+    }
+  }
+};
+
+__device__ inline int32_t lower_bound(const uint64_t* keys, int32_t n, uint64_t key) {
+  int32_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi) / 2;
+    if (keys[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Ascending bitonic sort of keys[0..n), n a power of two.
+__device__ inline void bitonic_sort(uint64_t* keys, int32_t n) {
+  for (int32_t k = 2; k <= n; k *= 2) {
+    for (int32_t j = k / 2; j > 0; j /= 2) {
+      for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const int32_t l = i ^ j;
+        if (l > i) {
+          const uint64_t a = keys[i], b = keys[l];
+          if (((i & k) == 0) == (a > b)) {
+            keys[i] = b;
+            keys[l] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// The parallel best-first build of one request into the shared-memory rows; false (having
+// written nothing) when the serial build must run instead. Every thread calls it.
+__device__ bool build_parallel(const float* lp, int32_t L, int32_t K, int32_t budget,
+                               bool spine, int64_t root_token, Enumeration en, TreeRows t) {
+  // -0.0 is refused too: the serial build gives the root's first child the log-prob itself
+  // (-0.0) but others 0 + it (+0.0), which differ in the heap's order and not in a float's.
+  int32_t bad = 0;
+  for (int64_t k = threadIdx.x; k < static_cast<int64_t>(L) * K; k += blockDim.x) {
+    bad |= k % K == 0 ? !(lp[k] <= 0.0f) : !(lp[k - 1] >= lp[k]);  // NaN is bad too
+    bad |= ordered_bits(lp[k]) == 0x7fffffffu;  // -0.0
+  }
+  if (__syncthreads_count(bad) > 0) return false;
+  const int32_t Lc = spine ? (L < budget ? L : budget) : 0, need = budget - Lc;
+  const int32_t cap = en.capacity - L - 1;
+  // Bounds: every prefix scores <= 0 < hi; at lo at least need prefixes off the spine do
+  // (depth 1's ranks, or every prefix down to the lowest, which scores the sum of each
+  // depth's last log-prob, added as the builder adds).
+  float lo;
+  if (need == 0) {
+    lo = INFINITY;  // the spine alone: no prefix
+  } else if (need + (spine ? 1 : 0) <= K) {
+    lo = lp[need + (spine ? 1 : 0) - 1];
+  } else {
+    lo = 0.0f;
+    for (int32_t d = 0; d < L; ++d) lo = lo + lp[static_cast<int64_t>(d) * K + K - 1];
+  }
+  lo = fmaxf(lo, -FLT_MAX);
+  float hi = FLT_MIN, th = lo;
+  int32_t size = 0, counted = -1;
+  for (int32_t tries = 0;; ++tries) {
+    counted = en.enumerate(th, lp, L, K, Lc, cap, size);
+    if (counted >= need && counted <= cap) break;
+    if (counted > cap) lo = th; else hi = th;
+    th = lo + (hi - lo) * 0.5f;
+    // No float between the bounds: more prefixes tie at one score than the cap holds.
+    if (!(th > lo && th < hi) || tries == kMaxThresholdTries) return false;
+  }
+  // Sort the off-spine entries by score (descending), then entry.
+  int32_t n = 1;
+  while (n < size) n *= 2;
+  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
+    en.keys[e] = e < size && !en.on_spine(e)
+                     ? static_cast<uint64_t>(~ordered_bits(en.score[e])) << 32 | e
+                     : ~0ull;
+  }
+  __syncthreads();
+  bitonic_sort(en.keys, n);
+  // Each entry's place: entries of higher score, plus those of its score that come first
+  // by the tie rule. The first need of them are the tree's nodes Lc + 1 .. budget.
+  for (int32_t q = threadIdx.x; q < counted; q += blockDim.x) {
+    const uint64_t key = en.keys[q];
+    const int32_t e = static_cast<int32_t>(key & 0xffffffffu);
+    const uint64_t high = key >> 32 << 32;  // NaN scores are refused: high + 2^32 is no wrap
+    const int32_t first = lower_bound(en.keys, counted, high);
+    const int32_t end = lower_bound(en.keys, counted, high + (1ull << 32));
+    int32_t place = first;
+    for (int32_t q2 = first; end - first > 1 && q2 < end; ++q2) {
+      const int32_t e2 = static_cast<int32_t>(en.keys[q2] & 0xffffffffu);
+      if (e2 != e && en.before(e2, e)) ++place;
+    }
+    en.index[e] = place < need ? Lc + 1 + place : -1;
+  }
+  const int32_t N = budget + 1;
+  for (int32_t e = threadIdx.x; e < size; e += blockDim.x) {
+    if (en.on_spine(e)) en.index[e] = en.depth(e);
+  }
+  for (int32_t i = threadIdx.x; i < N; i += blockDim.x) t.first_child[i] = t.next_sibling[i] = -1;
+  if (threadIdx.x == 0) add_root(t, root_token);
+  __syncthreads();
+  for (int32_t e = 1 + threadIdx.x; e < size; e += blockDim.x) {
+    const int32_t i = en.index[e];
+    if (i < 0) continue;
+    const int32_t p = en.parent[e], d = en.depth(e);
+    t.token_ids[i] = static_cast<int64_t>(d - 1) * K + en.rank[e];
+    t.parents[i] = en.index[p];
+    t.depths[i] = d;
+    t.scores[i] = en.score[e];
+    if (en.rank[e] == 0) t.first_child[en.index[p]] = i;
+    if (e + 1 < size && en.parent[e + 1] == p && en.index[e + 1] >= 0) {
+      t.next_sibling[i] = en.index[e + 1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // spine nodes scoring below the threshold: not enumerated
+    const int32_t enumerated = size - 1 - counted;
+    float s = 0.0f;
+    for (int32_t d = 1; d <= Lc; ++d) {
+      s = s + lp[static_cast<int64_t>(d - 1) * K];
+      if (d <= enumerated) continue;
+      t.token_ids[d] = static_cast<int64_t>(d - 1) * K;
+      t.parents[d] = d - 1;
+      t.depths[d] = d;
+      t.scores[d] = s;
+      t.first_child[d - 1] = d;
+    }
+  }
+  __syncthreads();
+  return true;
+}
+
+// Shared memory of one request's build: the tree's rows (read back at every step of the
+// serial build: in shared memory these dependent reads take tens of cycles, where global
+// memory's go through L2), then the work area (the parallel build's enumeration, or the
+// serial build's heap), then, where it fits, the request's top-k log-probs.
+struct BuildLayout {
+  size_t rows, work, total_without_logprobs;
+  int64_t entries;
+  bool parallel;
+};
+
+inline BuildLayout build_layout(int64_t budget, int64_t L, const Widths& widths,
+                                size_t optin) {
+  const int64_t N = budget + 1;
+  BuildLayout b{};
+  b.rows = N * kRowBytesPerNode;
+  const size_t heap = N * sizeof(Candidate);
+  b.entries = enumeration_entries(budget, L);
+  const size_t enumeration = b.entries * kEnumBytesPerEntry + kWarpSumsBytes;
+  b.parallel = widths.n == 0 && b.rows + enumeration <= optin;
+  b.work = b.parallel ? std::max(heap, enumeration) : heap;
+  b.total_without_logprobs = b.rows + b.work;
+  return b;
+}
+
+// The block stages the log-probs (if stage_logprobs), builds the tree's rows in shared
+// memory (in parallel, or on thread 0), then every thread copies rows out, looks its nodes'
+// token ids up, and fills their ancestor masks by walking their parent chains (depth <= L).
 __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
                                   const float* __restrict__ logprobs,
                                   const int64_t* __restrict__ ids, int32_t L, int32_t K,
                                   Widths widths, int32_t budget, bool spine,
-                                  bool stage_logprobs,
+                                  bool stage_logprobs, bool parallel, int32_t entries,
+                                  int32_t work_bytes,
                                   int64_t* token_ids, int32_t* parents, int32_t* depths,
                                   int32_t* first_child, int32_t* next_sibling, int32_t* mask,
                                   float* scores) {
   DDTREE_DYNAMIC_SMEM(smem);
   const int32_t N = budget + 1, W = (N + 31) / 32;
   const int64_t r = blockIdx.x, LK = static_cast<int64_t>(L) * K;
-  auto* heap = reinterpret_cast<Candidate*>(smem);
-  auto* s_tokens = reinterpret_cast<int64_t*>(heap + N);
+  auto* s_tokens = reinterpret_cast<int64_t*>(smem);
   auto* s_scores = reinterpret_cast<float*>(s_tokens + N);
   auto* s_parents = reinterpret_cast<int32_t*>(s_scores + N);
   int32_t* s_depths = s_parents + N;
   int32_t* s_first = s_depths + N;
   int32_t* s_next = s_first + N;
   int32_t* s_last = s_next + N;
+  unsigned char* work = smem + N * kRowBytesPerNode;  // 8-aligned: 32 bytes a node
   const float* lp = logprobs + r * LK;
   if (stage_logprobs) {
-    auto* s_logprobs = reinterpret_cast<float*>(s_last + N);
+    auto* s_logprobs = reinterpret_cast<float*>(work + work_bytes);
     for (int64_t k = threadIdx.x; k < LK; k += blockDim.x) s_logprobs[k] = lp[k];
     __syncthreads();
     lp = s_logprobs;
   }
-  if (threadIdx.x == 0) {
-    TreeRows rows{s_tokens, s_parents, s_depths, s_first, s_next, s_scores, s_last};
-    build_tree_of(lp, L, K, widths, budget, spine, roots[r], heap, rows);
+  TreeRows rows{s_tokens, s_parents, s_depths, s_first, s_next, s_scores, s_last};
+  bool built = false;
+  if (parallel) {
+    auto* keys = reinterpret_cast<uint64_t*>(work);
+    auto* score = reinterpret_cast<float*>(keys + entries);
+    auto* ints = reinterpret_cast<int32_t*>(score + entries);
+    const Enumeration en{keys, score, ints, ints + entries, ints + 2 * entries,
+                         ints + 3 * entries, ints + 4 * entries, entries};
+    built = build_parallel(lp, L, K, budget, spine, roots[r], en, rows);
+  }
+  if (threadIdx.x == 0) DDTREE_COUNT_BUILD(built);
+  if (!built && threadIdx.x == 0) {
+    build_tree_of(lp, L, K, widths, budget, spine, roots[r],
+                  reinterpret_cast<Candidate*>(work), rows);
   }
   __syncthreads();
   for (int32_t i = threadIdx.x; i < N; i += blockDim.x) {
@@ -247,20 +567,28 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
   TreeOutputs out(R, N, ids, lp);
   if (R > 0) {
     // Stage the log-probs where they fit the block's shared memory (opting in past the
-    // default 48 KiB, as at B = 1024 and L = 16: 41 KiB of tree and 64 KiB of log-probs).
+    // default 48 KiB, as at B = 1024 and L = 16: 160 KiB of tree and work, 64 KiB of
+    // log-probs).
     int optin = 0;  // a device attribute: no sync, and allowed while a graph is captured
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                           topk_logprobs.get_device()));
-    const size_t tree_bytes = N * kBuildBytesPerNode, staged_bytes = L * K * sizeof(float);
-    const bool stage = tree_bytes + staged_bytes <= static_cast<size_t>(optin);
-    const size_t smem = tree_bytes + (stage ? staged_bytes : 0);
+    const BuildLayout layout = build_layout(budget, L, widths, optin);
+    const size_t staged_bytes = L * K * sizeof(float);
+    const bool stage = layout.total_without_logprobs + staged_bytes <= static_cast<size_t>(optin);
+    const size_t smem = layout.total_without_logprobs + (stage ? staged_bytes : 0);
     if (smem > kDefaultSmemBytes) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(
           build_tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
-    DDTREE_LAUNCH(build_tree_kernel, R, kThreads, smem, c10::cuda::getCurrentCUDAStream())(
+    // The parallel build's sort takes entries / 2 pairs a step; the serial one uses thread 0.
+    const int threads = layout.parallel
+        ? static_cast<int>(std::min<int64_t>(std::max<int64_t>(layout.entries / 2, 128),
+                                             DDTREE_BUILD_MAX_THREADS))
+        : kThreads;
+    DDTREE_LAUNCH(build_tree_kernel, R, threads, smem, c10::cuda::getCurrentCUDAStream())(
         roots.data_ptr<int64_t>(), lp.data_ptr<float>(), ids.data_ptr<int64_t>(), L, K,
-        widths, budget, spine, stage, out.token_ids.data_ptr<int64_t>(),
+        widths, budget, spine, stage, layout.parallel, static_cast<int32_t>(layout.entries),
+        static_cast<int32_t>(layout.work), out.token_ids.data_ptr<int64_t>(),
         out.parents.data_ptr<int32_t>(), out.depths.data_ptr<int32_t>(),
         out.first_child.data_ptr<int32_t>(), out.next_sibling.data_ptr<int32_t>(),
         out.mask.data_ptr<int32_t>(), out.scores.data_ptr<float>());

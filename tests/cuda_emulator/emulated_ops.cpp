@@ -41,6 +41,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     vllm_ddtree::compact_tree_cuda(kv_caches, hidden, slot_mapping, query_start_loc, accepted,
                                    num_accepted);
   });
+  m.def("take_build_counts", [] {  // (parallel, serial) since the last call
+    return std::pair<int64_t, int64_t>{cuda_emulator::builds[0].exchange(0),
+                                       cuda_emulator::builds[1].exchange(0)};
+  });
+  m.def("set_build_max_threads", [](int threads) { cuda_emulator::build_max_threads = threads; });
   m.def("write_past_smem", [](int32_t bytes) {
     DDTREE_LAUNCH(write_past_smem_kernel, 2, 32, bytes, nullptr)(bytes);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -7,12 +7,14 @@
 // against an H200's limits, the 48 KiB default of dynamic shared memory included, and a bad
 // one fails as on a GPU: nothing runs and the error surfaces at C10_CUDA_KERNEL_LAUNCH_CHECK.
 // Blocks run one after another, in a shuffled order (a GPU promises none); what it cannot
-// show is timing, or a race between blocks.
+// show is timing, or a race between blocks. Warp shuffles exchange through a per-warp
+// barrier, which a warp's threads must likewise reach from one place.
 // Only runtime calls that never wait for the device are defined, so a cudaMemcpy or a
 // stream synchronize added to the .cu fails to build here.
 #pragma once
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -29,9 +31,15 @@
 
 #define DDTREE_CUDA_EMULATOR 1
 #define __global__
+#define __device__
 #define DDTREE_LAUNCH(kernel, grid, block, smem, stream) \
   cuda_emulator::Launch(kernel, grid, block, smem, stream)
 #define DDTREE_DYNAMIC_SMEM(name) unsigned char* const name = cuda_emulator::dynamic_smem()
+// The build kernel's threads per block at most (1024 on a GPU): a test sets it, to run the
+// kernel's multi-warp paths at several widths and the many small cases quickly.
+#define DDTREE_BUILD_MAX_THREADS cuda_emulator::build_max_threads
+// Requests the build kernel built in parallel, and serially.
+#define DDTREE_COUNT_BUILD(parallel) ++cuda_emulator::builds[(parallel) ? 0 : 1]
 
 struct dim3 {
   unsigned int x, y, z;
@@ -56,6 +64,8 @@ constexpr unsigned int kMaxThreads = 1024, kMaxGridX = 2147483647u, kMaxGridYZ =
 constexpr size_t kMaxParamBytes = 4096;  // the classic limit (sm_90 allows more since 12.1)
 constexpr size_t kGuardBytes = 64;
 constexpr unsigned char kJunk = 0xA5, kGuard = 0x5A;
+inline int build_max_threads = 1024;
+inline std::atomic<int64_t> builds[2];
 
 inline std::string& last_error() {
   static std::string error;
@@ -73,19 +83,26 @@ class Barrier {
  public:
   explicit Barrier(unsigned int count, std::function<void()> on_phase = {})
       : expected_(count), on_phase_(std::move(on_phase)) {}
-  void arrive_and_wait(const std::source_location& site = std::source_location::current()) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    const uint64_t phase = phase_;
-    if (arrived_ == 0) {
-      line_ = site.line();
-    } else if (site.line() != line_) {
-      divergent_ = true;
+  // Returns the sum of `add` over the phase's threads (__syncthreads_count).
+  int arrive_and_wait(const std::source_location& site = std::source_location::current(),
+                      int add = 0) {
+    uint64_t phase;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      phase = phase_.load();
+      if (arrived_ == 0) {
+        line_ = site.line();
+      } else if (site.line() != line_) {
+        divergent_ = true;
+      }
+      sum_ += add;
+      if (++arrived_ == expected_) {
+        next_phase();
+        return last_sum_;
+      }
     }
-    if (++arrived_ == expected_) {
-      next_phase();
-    } else {
-      changed_.wait(lock, [&] { return phase_ != phase; });
-    }
+    phase_.wait(phase);  // a futex wait: no lock to take back on waking
+    return last_sum_;  // stable until every thread of the phase has arrived again
   }
   void arrive_and_drop() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -99,26 +116,46 @@ class Barrier {
  private:
   void next_phase() {
     if (on_phase_) on_phase_();
+    last_sum_ = sum_;
+    sum_ = 0;
     arrived_ = 0;
     ++phase_;
-    changed_.notify_all();
+    phase_.notify_all();
   }
   std::mutex mutex_;
-  std::condition_variable changed_;
   unsigned int expected_, arrived_ = 0;
-  uint64_t phase_ = 0;
+  std::atomic<uint64_t> phase_ = 0;
   uint32_t line_ = 0;
+  int sum_ = 0, last_sum_ = 0;
   bool divergent_ = false;
   std::function<void()> on_phase_;
 };
 
+constexpr unsigned int kWarpSize = 32;
+
+// A warp's shuffle exchange: each lane's value, then a barrier, then the reads.
+struct Warp {
+  explicit Warp(unsigned int lanes) : barrier(lanes) {}
+  Barrier barrier;
+  uint64_t slots[kWarpSize] = {};
+};
+
 struct Block {
   Barrier barrier;
+  std::vector<std::unique_ptr<Warp>> warps;
   std::vector<unsigned char> smem;
   size_t size;
   Block(unsigned int threads, size_t bytes)
       : barrier(threads), smem(bytes + kGuardBytes, kJunk), size(bytes) {
     std::memset(smem.data() + bytes, kGuard, kGuardBytes);
+    for (unsigned int t = 0; t < threads; t += kWarpSize) {
+      warps.push_back(std::make_unique<Warp>(std::min(kWarpSize, threads - t)));
+    }
+  }
+  bool divergent() {
+    bool any = barrier.divergent();
+    for (auto& w : warps) any = any || w->barrier.divergent();
+    return any;
   }
   bool guard_intact() const {
     for (size_t i = size; i < smem.size(); ++i) {
@@ -128,6 +165,7 @@ struct Block {
   }
 };
 inline thread_local Block* current_block = nullptr;
+inline thread_local unsigned int linear_thread = 0;
 
 inline unsigned char* dynamic_smem() { return current_block->smem.data(); }
 
@@ -146,13 +184,14 @@ std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
   uint64_t overflows = 0, divergent = 0;
   Barrier between(threads, [&] {
     overflows += !current->guard_intact();
-    divergent += current->barrier.divergent();
+    divergent += current->divergent();
     current = std::make_unique<Block>(threads, smem);
   });
   std::vector<std::thread> workers;
   for (unsigned int t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
       threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+      linear_thread = t;
       blockDim = block;
       gridDim = grid;
       for (const uint64_t b : order) {
@@ -162,6 +201,7 @@ std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                     static_cast<unsigned int>(b / grid.x / grid.y)};
         kernel(params...);
         current_block->barrier.arrive_and_drop();
+        current_block->warps[t / kWarpSize]->barrier.arrive_and_drop();
         between.arrive_and_wait();
       }
     });
@@ -172,7 +212,8 @@ std::string run(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
            " bytes) in " + std::to_string(overflows) + " block(s)";
   }
   if (divergent > 0) {
-    return "__syncthreads() reached from different places by one block's threads, in " +
+    return "__syncthreads() or a shuffle reached from different places by one block's "
+           "(or warp's) threads, in " +
            std::to_string(divergent) + " block(s)";
   }
   return "";
@@ -215,6 +256,41 @@ struct Launch {
 
 inline void __syncthreads(std::source_location site = std::source_location::current()) {
   cuda_emulator::current_block->barrier.arrive_and_wait(site);
+}
+
+inline int __syncthreads_count(int predicate,
+                               std::source_location site = std::source_location::current()) {
+  return cuda_emulator::current_block->barrier.arrive_and_wait(site, predicate != 0);
+}
+
+// Lane `src_of(lane)`'s value (its own where that is out of the warp), as every lane of the
+// warp calls it with the full mask.
+template <typename T, typename Src>
+T emulated_shuffle(T value, Src src_of, const std::source_location& site) {
+  static_assert(sizeof(T) <= sizeof(uint64_t));
+  using cuda_emulator::kWarpSize;
+  const unsigned int t = cuda_emulator::linear_thread, lane = t % kWarpSize;
+  auto& warp = *cuda_emulator::current_block->warps[t / kWarpSize];
+  std::memcpy(&warp.slots[lane], &value, sizeof(T));
+  warp.barrier.arrive_and_wait(site);
+  const int src = src_of(static_cast<int>(lane));
+  T got = value;
+  if (src >= 0 && src < static_cast<int>(kWarpSize)) std::memcpy(&got, &warp.slots[src], sizeof(T));
+  warp.barrier.arrive_and_wait(site);
+  return got;
+}
+
+template <typename T>
+T __shfl_up_sync(unsigned int, T value, unsigned int delta,
+                 std::source_location site = std::source_location::current()) {
+  return emulated_shuffle(value, [&](int lane) { return lane - static_cast<int>(delta); },
+                          site);
+}
+
+template <typename T>
+T __shfl_sync(unsigned int, T value, int src_lane,
+              std::source_location site = std::source_location::current()) {
+  return emulated_shuffle(value, [&](int) { return src_lane; }, site);
 }
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {

@@ -3,8 +3,14 @@
 walk (the host-side approach of the public vLLM DDTree port), in one run.
 
     .venv/bin/python scripts/bench_tree_ops.py [--device cpu|cuda] [--reqs 8] [--repeats 50]
+    .venv/bin/python scripts/bench_tree_ops.py --device cuda --graphs [--verify-step-us U]
 
-Prints a markdown table; --json FILE also writes the numbers.
+Prints a markdown table; --json FILE also writes the numbers. With --graphs (CUDA only) it
+times, per step instead, the whole tree pipeline of a decode step (top-k of bfloat16
+logits, spine build, verify, compaction of 36 layers) eager and by CUDA-graph replay, and
+each stage's graph alone, at 1, 8 and 32 requests and budgets 64, 256 and 1024 (random
+logits, as in the eager table); --verify-step-us adds the pipeline's share of a verify step
+(the throughput benchmark's).
 """
 
 from __future__ import annotations
@@ -134,6 +140,78 @@ def bench_budget(budget: int, R: int, dev: str, repeats: int, gen: torch.Generat
     return {"budget": budget, **{k: v / R for k, v in timings.items()}}
 
 
+def graph_us(fn: Callable[[], object], repeats: int) -> float:
+    """Median µs of one replay of ``fn`` captured in a CUDA graph (warmed up outside)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_us(graph.replay, repeats, "cuda")
+
+
+def bench_graphs(budget: int, R: int, repeats: int, gen: torch.Generator) -> dict:
+    """Median µs per decode step of the tree pipeline, eager and replayed, at one size."""
+    dev = "cuda"
+    logits = (torch.randn(R, DEPTH, VOCAB, generator=gen) * 3).to(dev, torch.bfloat16)
+    roots = torch.randint(0, VOCAB, (R,), generator=gen).to(dev)
+    caches = [torch.randn(R * (budget + 1) // 16 + 2, 8, 16, 256, device=dev,
+                          dtype=torch.bfloat16) for _ in range(LAYERS)]
+    hidden = torch.randn(R * (budget + 1), 4096, device=dev, dtype=torch.bfloat16)
+    qsl = torch.arange(R + 1, device=dev, dtype=torch.int32) * (budget + 1)
+    slots = torch.arange(R * (budget + 1), device=dev)
+
+    def follow(trees):  # the target takes every node's first child: long accepted paths
+        return trees.token_ids.gather(1, trees.first_child.clamp(min=0).long())
+
+    def pipeline():
+        logprobs, ids = topk_ranked(logits, budget)
+        trees = ops.build_tree(roots, logprobs, ids, budget, spine=True)
+        verdict = ops.verify_tree(trees, follow(trees), DEPTH)
+        ops.compact_tree(caches, hidden, slots, qsl, verdict)
+
+    logprobs, ids = topk_ranked(logits, budget)
+    trees = ops.build_tree(roots, logprobs, ids, budget, spine=True)
+    choices = follow(trees)
+    verdict = ops.verify_tree(trees, choices, DEPTH)
+    return {"reqs": R, "budget": budget,
+            "eager_pipeline": median_us(pipeline, repeats, dev),
+            "graph_pipeline": graph_us(pipeline, repeats),
+            "graph_topk_ranked": graph_us(lambda: topk_ranked(logits, budget), repeats),
+            "graph_build": graph_us(
+                lambda: ops.build_tree(roots, logprobs, ids, budget, spine=True), repeats),
+            "graph_verify": graph_us(lambda: ops.verify_tree(trees, choices, DEPTH), repeats),
+            f"graph_compact_{LAYERS}_layers": graph_us(
+                lambda: ops.compact_tree(caches, hidden, slots, qsl, verdict), repeats)}
+
+
+def main_graphs(args) -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for R in (int(r) for r in args.graph_reqs.split(",")):
+        for budget in (int(b) for b in args.graph_budgets.split(",")):
+            rows.append(bench_graphs(budget, R, args.repeats, gen))
+            print(f"{R} requests, budget {budget}: done", flush=True)
+    cols = list(rows[0])
+    share = args.verify_step_us is not None
+    print(f"\nmedian µs per decode step of the tree pipeline (random bfloat16 logits, depth "
+          f"{DEPTH}, vocab {VOCAB}; eager and CUDA-graph replay)\n")
+    print("| " + " | ".join(cols) + (f" | graph share of a {args.verify_step_us:.0f}-µs "
+                                     "verify step |" if share else " |"))
+    print("|" + "---|" * (len(cols) + share))
+    for r in rows:
+        cells = [str(r["reqs"]), str(r["budget"])] + [f"{r[c]:.1f}" for c in cols[2:]]
+        if share:
+            cells.append(f"{100 * r['graph_pipeline'] / args.verify_step_us:.1f}%")
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": "cuda", "mode": "graphs", "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +220,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--budgets", default="16,64,256,1024")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--graphs", action="store_true",
+                        help="time the whole pipeline per step, eager and graph-replayed")
+    parser.add_argument("--graph-reqs", default="1,8,32")
+    parser.add_argument("--graph-budgets", default="64,256,1024")
+    parser.add_argument("--verify-step-us", type=float, default=None,
+                        help="a verify step's µs, for the pipeline's share of it")
     args = parser.parse_args()
+    if args.graphs:
+        if args.device != "cuda" or not torch.cuda.is_available():
+            parser.error("--graphs needs --device cuda and a GPU (it replays CUDA graphs)")
+        main_graphs(args)
+        return
     dev, R = args.device, args.reqs
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -106,12 +106,16 @@ def tree_attention_launches() -> list:
     return launches
 
 
-def row_logsumexp_launches() -> list:
-    from vllm_ddtree import row_logsumexp as rl
+def ranked_topk_launches() -> list:
+    """The drafter's top-k ranking at Qwen3's vocabulary, budgets 16 to 1024."""
+    from vllm_ddtree import ranked_topk as rk
 
-    with caught_launches(rl, "_row_logsumexp_kernel") as launches:
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            rl.row_logsumexp(torch.empty(4, 15, 151936, dtype=dtype))
+    with caught_launches(rk, "_ranked_topk_kernel") as launches:
+        for dtype, k in itertools.product((torch.float16, torch.bfloat16, torch.float32),
+                                          (16, 64, 256, 1000, 1024)):
+            rk.ranked_topk(torch.empty(4, 15, 151936, dtype=dtype),
+                           torch.empty(4, 15, k, dtype=dtype),
+                           torch.empty(4, 15, k, dtype=torch.int64))
     return launches
 
 
@@ -169,7 +173,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     seen, failures = set(), []
-    launches = tree_attention_launches() + row_logsumexp_launches() + tree_gdn_launches()
+    launches = tree_attention_launches() + ranked_topk_launches() + tree_gdn_launches()
     for (fn, call_args, kwargs), arch in itertools.product(
             launches, (int(t) for t in args.targets.split(","))):
         options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}

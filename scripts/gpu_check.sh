@@ -164,10 +164,13 @@ main() {
     check "tree op timings, $reqs requests" 90 "$PY" scripts/bench_tree_ops.py --device cuda \
       --reqs "$reqs" --json "$timings/r$reqs.json"
   done
-  # One file for the three (a lent machine brings back eight).
-  if compgen -G "$timings/r*.json" >/dev/null; then
+  step "tree pipeline under CUDA-graph replay (per step, median)"
+  check "tree pipeline under graph replay" 150 "$PY" scripts/bench_tree_ops.py --device cuda \
+    --graphs --json "$timings/graphs.json"
+  # One file for the four (a lent machine brings back eight).
+  if compgen -G "$timings/*.json" >/dev/null; then
     "$PY" -c 'import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]],
-      open(sys.argv[1], "w"), indent=1)' "$OUT/bench_tree_ops_cuda.json" "$timings"/r*.json \
+      open(sys.argv[1], "w"), indent=1)' "$OUT/bench_tree_ops_cuda.json" "$timings"/*.json \
       || true
   fi
   step "tree attention vs causal (CUDA events, median)"

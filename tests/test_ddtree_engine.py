@@ -851,7 +851,7 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
 # Code that runs inside the decode step on a GPU; the CPU attention path is not among it.
 DEVICE_STEP_FILES = ("runner.py", "sampling.py", "ops.py", "tree.py", "attention/backend.py",
                      "attention/tree_batch.py", "attention/triton_tree_attention.py",
-                     "row_logsumexp.py")
+                     "ranked_topk.py")
 
 
 def _bool_index(index) -> bool:

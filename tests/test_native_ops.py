@@ -103,6 +103,12 @@ def test_bench_tree_ops_runs(tmp_path: Path) -> None:
     assert row["budget"] == 16 and row["build_from_topk"] > 0 and row["verify"] > 0
 
 
+def test_bench_tree_ops_graphs_need_a_gpu() -> None:
+    result = subprocess.run([sys.executable, str(REPO / "scripts/bench_tree_ops.py"),
+                             "--graphs"], capture_output=True, text=True)
+    assert result.returncode == 2 and "--graphs needs --device cuda" in result.stderr
+
+
 def run_gpu_check_on_stubs(tmp_path: Path, **limits: str):
     """scripts/gpu_check.sh with a stub GPU and a stub Python whose CUDA build fails and
     whose CUDA tests hang; ``limits`` are its *_LIMIT_S variables. Returns the finished
@@ -139,6 +145,7 @@ def test_gpu_check_goes_on_after_a_failing_step(tmp_path: Path) -> None:
     assert all(line in result.stdout.splitlines() for line in summary), result.stdout[-3000:]
     assert "FORCE_CUDA= FORCE_CPU=1 setup.py -q build_ext --inplace" in ran
     assert "scripts/bench_tree_ops.py --device cuda --reqs 32" in ran
+    assert "scripts/bench_tree_ops.py --device cuda --graphs --json" in ran
     assert "scripts/bench_tree_attention.py --json" in ran
     assert "scripts/bench_tree_attention.py --shape gpt-oss" in ran
     assert len(files) <= 8 and "gpu_check.log" in files, files
@@ -159,7 +166,7 @@ def test_gpu_check_ends_within_its_total_limit(tmp_path: Path) -> None:
     assert "gpu_check: FAILED: tree op timings, 1 requests (not run: TOTAL_LIMIT_S spent)" \
         in lines, lines
     assert "bench_tree_ops.py" not in ran and "bench_tree_attention.py" not in ran, ran
-    assert result.returncode == 2 + 5, lines  # the build, the tests, 5 steps not run
+    assert result.returncode == 2 + 6, lines  # the build, the tests, 6 steps not run
     assert "gpu_check: results in" in files["gpu_check.log"].read_text()
 
 

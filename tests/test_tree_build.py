@@ -221,35 +221,49 @@ def test_build_from_logits_names_a_bad_logits_shape() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [1, 7, 2048, 5000])
-def test_row_logsumexp_matches_torch(dtype, vocab) -> None:
-    """The Triton log-sum-exp (CUDA's topk_ranked; here under Triton's interpreter) equals
-    float64 torch, for logits far from 0 (a naive exp overflows), rows partly and wholly
-    -inf, and vocabularies shorter than, equal to and spanning its block."""
-    from vllm_ddtree.row_logsumexp import row_logsumexp
+@pytest.mark.parametrize("vocab, k", [(1, 1), (7, 7), (2048, 16), (5000, 100)])
+def test_ranked_topk_matches_float64(dtype, vocab, k) -> None:
+    """The Triton ranking (CUDA's topk_ranked; here under Triton's interpreter): log-probs
+    of the top-k equal float64's, for logits far from 0 (a naive exp overflows), rows partly
+    -inf, and vocabularies shorter than, equal to and spanning its block; ranked by value,
+    then id; the top-k's tokens."""
+    from vllm_ddtree.ranked_topk import ranked_topk
 
     x = torch.randn(3, 4, vocab, generator=torch.Generator().manual_seed(vocab)) * 8 + 120
-    x[0, 1] = float("-inf")
-    x[1, 2, :(vocab + 1) // 2] = float("-inf")
+    x[1, 2, :(vocab - 1) // 2] = float("-inf")
     x = x.to(dtype)
-    got = row_logsumexp(x)
-    assert got.dtype == torch.float32 and got.shape == (3, 4)
-    torch.testing.assert_close(got.double(), torch.logsumexp(x.double(), -1), rtol=1e-6,
-                               atol=1e-5)
+    values, ids = torch.topk(x, k, dim=-1)
+    logprobs, ranked = ranked_topk(x, values, ids)
+    assert logprobs.dtype == torch.float32 and ranked.dtype == torch.int64
+    exact = torch.log_softmax(x.double(), -1).gather(-1, ranked)
+    torch.testing.assert_close(logprobs.double(), exact, rtol=1e-6, atol=1e-5)
+    assert torch.equal(ranked.sort(-1).values, ids.sort(-1).values)
+    assert_ranked(logprobs, ranked)
 
 
-def test_row_logsumexp_gives_topk_ranked_logprobs() -> None:
-    """What topk_ranked computes on CUDA (top-k logits minus the log-sum-exp) equals what it
-    computes on CPU (log-softmax at the top-k ids)."""
-    from vllm_ddtree.row_logsumexp import row_logsumexp
+def assert_ranked(logprobs: torch.Tensor, ids: torch.Tensor) -> None:
+    """Log-probs descending; equal ones by id ascending."""
+    down = logprobs[..., 1:] <= logprobs[..., :-1]
+    tied = logprobs[..., 1:] == logprobs[..., :-1]
+    assert down.all()
+    assert (ids[..., 1:] > ids[..., :-1])[tied].all()
 
-    logits = torch.randn(2, 3, 3000, generator=torch.Generator().manual_seed(3)) * 3
-    values, ids = topk_ranked(logits, 64)
-    picked = logits.gather(-1, ids)
-    torch.testing.assert_close(picked - row_logsumexp(logits)[..., None], values, rtol=0,
-                               atol=2e-6)
-    assert (values[..., 1:] <= values[..., :-1]).all()
-    assert torch.equal(ids[..., 0], logits.argmax(-1))
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ranked_topk_orders_ties_as_the_cpu_path(dtype) -> None:
+    """Integer logits (many exact ties, as bfloat16 logits have): the kernel's one sort of
+    (log-prob, id) keys gives the CPU path's two stable sorts' order, token for token."""
+    from vllm_ddtree.ranked_topk import ranked_topk
+
+    x = torch.round(torch.randn(2, 5, 3000, generator=torch.Generator().manual_seed(1)) * 2)
+    x = x.to(dtype)
+    want_logprobs, want_ids = topk_ranked(x, 64)  # CPU: log-softmax, two sorts
+    logprobs, ids = ranked_topk(x, *torch.topk(x, 64, dim=-1))
+    assert torch.equal(ids, want_ids)
+    assert_ranked(logprobs, ids)
+    assert (logprobs[..., 1:] == logprobs[..., :-1]).sum() > 200  # ties it had to order
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=2e-6)
+    assert torch.equal(ids[..., 0], x.float().argmax(-1))  # the first of tied maxima
 
 
 @settings(max_examples=1500, deadline=None)

@@ -35,12 +35,12 @@ def gpu_split_counts(monkeypatch) -> None:
 
 
 def record_launches(monkeypatch, execute: bool = True) -> list:
-    from vllm_ddtree import row_logsumexp
+    from vllm_ddtree import ranked_topk
     from vllm_ddtree.attention import triton_tree_attention as tta
 
     return jit_keys.record_launches(monkeypatch, {
         "attention": tta._tree_attention_kernel, "merge": tta._merge_splits,
-        "logsumexp": row_logsumexp._row_logsumexp_kernel}, execute)
+        "ranking": ranked_topk._ranked_topk_kernel}, execute)
 
 
 def split_counts(launches: list, windowed: bool | None = None) -> set[int]:
@@ -133,7 +133,7 @@ def test_engine_start_up_launches_every_configuration_steps_launch(
     cleanup_dist_env_and_memory()  # gpt-oss's experts need their own parallel group
     pair = tiny_models if family == "qwen3" else other_target_pair(tiny_models, tmp_path,
                                                                    family)
-    monkeypatch.setattr(tree, "LOGSUMEXP_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(tree, "RANKING_KERNEL_DEVICES", ("cuda", "cpu"))
     launches = record_launches(monkeypatch)
     spec = {"method": "ddtree", "model": str(pair / "drafter"), "tree_budget": 16}
     llm = LLM(model=str(pair / "target"), enforce_eager=True, max_model_len=512, seed=0,
@@ -149,13 +149,13 @@ def test_engine_start_up_launches_every_configuration_steps_launch(
               for n in (3, 6, 9, 12)]
     llm.generate(PROMPTS[:4], params, use_tqdm=False)
     steps = launches[len(start_up):]
-    for name in ("attention", "merge", "logsumexp"):
+    for name in ("attention", "merge", "ranking"):
         assert {k for n, k in steps if n == name} <= {k for n, k in start_up if n == name}
     # Every split count the engine's batches can pick was compiled, not only those seen.
     assert split_counts(start_up, windowed=False) == {1, 2, 4}
     assert split_counts(start_up, windowed=True) == ({1} if family == "gpt-oss" else set())
     assert len(split_counts(steps)) > 1 and any(n == "merge" for n, _ in steps)
-    assert any(n == "logsumexp" for n, _ in steps)
+    assert any(n == "ranking" for n, _ in steps)
 
     # DFlash's input copy: real calls' keys among the registered warm-up's.
     key = jit_keys.cuda_key_function(jit_keys.vllm_kernel(

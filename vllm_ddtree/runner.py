@@ -152,7 +152,7 @@ class DDTreeProposer(DFlashProposer):
     def warm_up(self) -> None:
         """At start-up (vllm_ddtree/warmup.py): one tree built from logits as the drafter
         makes them (its compute_logits: their dtype and layout), so that what the build
-        launches (row_logsumexp on CUDA) compiles now. Not through draft_logits, which
+        launches (ranked_topk on CUDA) compiles now. Not through draft_logits, which
         tests replace by drafters that read the batch's requests."""
         hidden = torch.zeros(self.depth, self.hidden_size, dtype=self.dtype, device=self.device)
         logits = self.model.compute_logits(hidden)

@@ -51,10 +51,10 @@ from typing import NamedTuple
 import torch
 
 MAX_BUDGET = 1024  # the CUDA builder keeps a request's heap in shared memory
-# Devices where topk_ranked takes the log-sum-exp kernel (vllm_ddtree/row_logsumexp.py): one
-# pass over the vocabulary, no float32 copy of the logits. On CPU torch's fused log-softmax
-# is faster than a separate log-sum-exp.
-LOGSUMEXP_KERNEL_DEVICES = ("cuda",)
+# Devices where topk_ranked ranks the top-k with a Triton kernel (vllm_ddtree/ranked_topk.py):
+# one pass over the vocabulary, no float32 copy of the logits, one sort. On CPU torch's fused
+# log-softmax is faster than a separate log-sum-exp.
+RANKING_KERNEL_DEVICES = ("cuda",)
 
 
 class DraftTrees(NamedTuple):
@@ -87,12 +87,11 @@ def topk_ranked(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     is torch.topk's choice.
     """
     values, ids = torch.topk(logits, k, dim=-1)  # the same tokens as log-softmax's top-k
-    if logits.device.type in LOGSUMEXP_KERNEL_DEVICES:
-        from vllm_ddtree.row_logsumexp import row_logsumexp
+    if logits.device.type in RANKING_KERNEL_DEVICES:
+        from vllm_ddtree.ranked_topk import ranked_topk
 
-        logprobs = values.float() - row_logsumexp(logits.contiguous())[..., None]
-    else:
-        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
+        return ranked_topk(logits.contiguous(), values, ids)
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
     # Two stable sorts: by id, then by value descending; equal values keep id order.
     ids, order = torch.sort(ids, dim=-1)
     logprobs = torch.gather(logprobs, -1, order)

@@ -993,6 +993,7 @@ def cuda_ops_on_the_emulator(monkeypatch, emulated_cuda_ops) -> dict[str, int]:
 
     for name in TREE_OPS:
         monkeypatch.setattr(torch.ops.vllm_ddtree, name, counted(name))
+    emulated_cuda_ops.take_build_counts()  # (parallel, serial) builds from here on
     return calls
 
 
@@ -1001,7 +1002,8 @@ def cuda_ops_on_the_emulator(monkeypatch, emulated_cuda_ops) -> dict[str, int]:
 def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_path: Path,
                                                        monkeypatch, family, scheduling,
                                                        cuda_tree_attn_on_cpu,
-                                                       cuda_ops_on_the_emulator) -> None:
+                                                       cuda_ops_on_the_emulator,
+                                                       emulated_cuda_ops) -> None:
     """TREE_ATTN's CUDA backend inside vLLM's engine, on CPU tensors: vLLM's Triton KV
     layout, the backend's metadata builder on the runner's real batches, the Triton tree
     kernel (for gpt-oss with sinks, and a window in every other layer), the CUDA tree ops
@@ -1045,3 +1047,5 @@ def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_pa
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
     calls = cuda_ops_on_the_emulator
     assert all(calls[name] > 0 for name in TREE_OPS) and calls["deepest_move"] >= 5, calls
+    parallel, serial = emulated_cuda_ops.take_build_counts()
+    assert parallel > 0 and serial == 0, (parallel, serial)  # every tree built in parallel

@@ -249,6 +249,24 @@ def assert_ranked(logprobs: torch.Tensor, ids: torch.Tensor) -> None:
     assert (ids[..., 1:] > ids[..., :-1])[tied].all()
 
 
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 6),
+       vocab=st.sampled_from([1, 2, 5, 17, 300, 3000]), k_share=st.floats(0, 1),
+       ties=st.booleans())
+def test_ranked_topk_equals_the_cpu_path(seed, rows, vocab, k_share, ties) -> None:
+    """bfloat16 logits (as drafters give them; with ``ties``, integers): the ranking
+    kernel's tokens and order are the CPU path's, its log-probs within float32 rounding."""
+    from vllm_ddtree.ranked_topk import ranked_topk
+
+    k = 1 + int(k_share * (min(vocab, 1024) - 1))
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    x = (torch.round(x) if ties else x).to(torch.bfloat16)
+    want_logprobs, want_ids = topk_ranked(x, k)
+    logprobs, ids = ranked_topk(x, *torch.topk(x, k, dim=-1))
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=5e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ranked_topk_orders_ties_as_the_cpu_path(dtype) -> None:
     """Integer logits (many exact ties, as bfloat16 logits have): the kernel's one sort of

@@ -4,13 +4,15 @@ suite (tests/cuda, which needs a GPU). What this shows: the kernels' indexing, s
 layouts and sizes, barriers and launch configurations (the 48 KiB opt-in included) give the
 CPU ops' results. What it cannot: timing, graph capture, the compiler's device code.
 
-The build kernel runs best-first builds in parallel within a request where the input allows
-(rank-sorted log-probs at most 0) and serially otherwise; the emulator counts which ran, so
-the tests below show the path they exercise, at several block widths (the emulator's cap on
-the kernel's threads: 32 for the many small cases, a GPU's 1024 for the largest)."""
+The build kernel runs both builds (best-first, JetSpec's) in parallel within a request where
+the input allows (rank-sorted log-probs at most 0) and serially otherwise; the emulator
+counts which ran, so the tests below show the path they exercise, at several block widths
+(the emulator's cap on the kernel's threads: 32 for the many small cases, a GPU's 1024 for
+the largest)."""
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 
 import pytest
@@ -115,13 +117,13 @@ def test_build_kernel_goes_serial_on_input_the_parallel_build_cannot_take(
     else:  # -0.0: sorted, not above 0, but the serial build's scores tell it from +0.0
         logprobs[1, :, 0] = -0.0
     with build_threads(emulated_cuda_ops, 64) as taken:
-        for spine in (False, True):
-            args = (roots, logprobs, ids, 100, spine)
+        for spine, widths in itertools.product((False, True), ([], [3, 2])):
+            args = (roots, logprobs, ids, 100, spine, widths)
             assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args),
                                  emulated_cuda_ops.build_tree(*args))
         parallel, serial = taken()
     # NaN and -0.0 spoil request 1 only.
-    assert (parallel, serial) == ((4, 2) if spoil in ("nan", "negative_zero") else (0, 6))
+    assert (parallel, serial) == ((8, 4) if spoil in ("nan", "negative_zero") else (0, 12))
 
 
 @pytest.mark.parametrize("depth, k", [(16, 1024), (64, 1024)])
@@ -238,11 +240,38 @@ def test_empty_batches(emulated_cuda_ops) -> None:
         assert emulated_cuda_ops.tree_positions(seq_lens, depths).shape == shape
 
 
-@settings(max_examples=500, deadline=None)
-@given(case=jetspec_cases())
-def test_jetspec_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
+def assert_jetspec_build_equals_cpu(emulated, case) -> None:
     inputs = random_topk(case["seed"], case["num_reqs"], case["depth"], case["vocab"],
                          case["k"], case["ties"])
     args = (*inputs, case["budget"], case["spine"], case["widths"])
-    assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args),
-                         emulated_cuda_ops.build_tree(*args))
+    assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args), emulated.build_tree(*args))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(case=jetspec_cases())
+def test_jetspec_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
+    with build_threads(emulated_cuda_ops, 32) as taken:
+        assert_jetspec_build_equals_cpu(emulated_cuda_ops, case)
+        parallel, serial = taken()
+    assert serial == 0 or case["ties"]
+    assert parallel + serial == case["num_reqs"]
+
+
+@pytest.mark.parametrize("threads", [64, 256])
+@settings(max_examples=60, deadline=None)
+@given(case=jetspec_cases())
+def test_parallel_jetspec_build_at_several_block_widths(emulated_cuda_ops, threads,
+                                                        case) -> None:
+    with build_threads(emulated_cuda_ops, threads) as taken:
+        assert_jetspec_build_equals_cpu(emulated_cuda_ops, case)
+        assert taken()[1] == 0 or case["ties"]
+
+
+@pytest.mark.parametrize("spine", [False, True])
+def test_jetspec_build_kernel_at_the_largest_budget(emulated_cuda_ops, spine) -> None:
+    # JetSpec's default shape: width 7 at every depth, depth 16, budget 1024, 1024 threads.
+    inputs = random_topk(5, 2, 16, 2000, 7, ties=False)
+    want = torch.ops.vllm_ddtree.build_tree(*inputs, 1024, spine, [7])
+    with build_threads(emulated_cuda_ops, 1024) as taken:
+        assert_equal_outputs(want, emulated_cuda_ops.build_tree(*inputs, 1024, spine, [7]))
+        assert taken() == (2, 0)

@@ -41,16 +41,18 @@ __global__ void tree_positions_kernel(const int64_t* __restrict__ seq_lens,
 
 // ---- The build: one block per request. ----
 //
-// Best-first (no widths), on rank-sorted log-probs that are at most 0 (topk_ranked's), runs
-// in parallel within the block. A prefix then scores no more than its parent or its
-// lower-ranked sibling, so the heap pops in key order and the tree is the `need` best
-// non-spine prefixes by the tie rule (tree.py). The block finds a score threshold t whose
-// prefixes above it number between need and a cap (bisection; each try enumerates them
-// depth by depth: per node a binary search for its children above t, a block scan to place
-// them), sorts those by score, orders equal scores by the tie rule (walking up the parents),
-// and keeps the first need. Other inputs (unsorted, positive or NaN log-probs; more ties at
-// the threshold than the cap; JetSpec's widths) take the serial heap of tree.h on thread 0,
-// which stays the definition: both give the CPU op's tree, bit for bit.
+// On rank-sorted log-probs that are at most 0 (topk_ranked's) the build runs in parallel
+// within the block. A prefix then scores no more than its parent or its lower-ranked
+// sibling, so the heap pops in the order of its keys: best-first's tree is the `need` best
+// prefixes off the spine by the tie rule (tree.py), and JetSpec's expands nodes in (score,
+// node index) order. The block finds a score threshold t above which the prefixes number
+// at most a cap yet enough (bisection; each try enumerates them depth by depth: per node a
+// binary search for its children above t, a block scan to place them), sorts them by
+// score, orders equal scores by the tie rule (walking up the parents), and keeps the first
+// need (best-first) or lets them expand in that order (JetSpec). Other inputs (unsorted,
+// positive, NaN or -0.0 log-probs; more ties at the threshold than the cap) take the
+// serial heap of tree.h on thread 0, which stays the definition: both give the CPU op's
+// tree, bit for bit.
 
 constexpr unsigned int kFullMask = 0xffffffffu;
 constexpr int32_t kMaxThresholdTries = 64;
@@ -122,6 +124,13 @@ __device__ inline int32_t scan_in_place(int32_t* a, int32_t n, int32_t* warp_sum
   return total;
 }
 
+// A node's children in the tree: all ranks (best-first) or JetSpec's w(depth), within K.
+DDTREE_HD inline int32_t max_children(const Widths& widths, int32_t depth, int32_t K) {
+  if (widths.n == 0) return K;
+  const int32_t w = widths.at(depth);
+  return w < K ? w : K;
+}
+
 // The enumeration: entry 0 is the root; the entries of depth d + 1 follow those of depth d,
 // each node's children contiguous and in rank order. meta = depth << 1 | on-spine (the
 // root and, with spine, the rank-0 chain to depth Lc: the tree's nodes 0..Lc).
@@ -134,10 +143,13 @@ struct Enumeration {
   __device__ int32_t depth(int32_t e) const { return meta[e] >> 1; }
   __device__ bool on_spine(int32_t e) const { return meta[e] & 1; }
 
-  // Every prefix scoring >= t, depth by depth; returns how many are off the spine, or
-  // cap + 1 once they are more than cap. `size` gets the entries used.
-  __device__ int32_t enumerate(float t, const float* lp, int32_t L, int32_t K, int32_t Lc,
-                               int32_t cap, int32_t& size) {
+  // Every prefix scoring >= t (of at most max_children children a node), depth by depth;
+  // returns how many are off the spine, or cap + 1 once they are more than cap. `size`
+  // gets the entries used, `expandable` the children the entries above depth L can take
+  // (JetSpec's build: the spine's nodes above Lc have their rank-0 child already).
+  __device__ int32_t enumerate(float t, const float* lp, int32_t L, int32_t K,
+                               const Widths& widths, int32_t Lc, int32_t cap, int32_t& size,
+                               int32_t& expandable) {
     auto* counts = reinterpret_cast<int32_t*>(keys);
     if (threadIdx.x == 0) {
       score[0] = 0.0f;
@@ -147,12 +159,13 @@ struct Enumeration {
     }
     __syncthreads();
     int32_t begin = 0, end = 1, counted = 0;
+    expandable = 0;
     for (int32_t d = 0; d < L && end > begin; ++d) {
-      const int32_t n = end - begin;
+      const int32_t n = end - begin, most = max_children(widths, d, K);
       const float* row = lp + static_cast<int64_t>(d) * K;
       for (int32_t i = threadIdx.x; i < n; i += blockDim.x) {
         const float s = score[begin + i];
-        int32_t lo = 0, hi = K;  // children above t: a rank prefix (row is sorted)
+        int32_t lo = 0, hi = most;  // children above t: a rank prefix (row is sorted)
         while (lo < hi) {
           const int32_t mid = (lo + hi) / 2;
           if (s + row[mid] >= t) lo = mid + 1; else hi = mid;
@@ -162,7 +175,9 @@ struct Enumeration {
       __syncthreads();
       // A level's first entry is its spine node (by induction from the root), whose rank-0
       // child continues the spine while d < Lc.
-      const bool spine_child = on_spine(begin) && d < Lc && counts[0] > 0;
+      const bool spine_parent = on_spine(begin) && d < Lc;
+      const bool spine_child = spine_parent && counts[0] > 0;
+      expandable += n * most - (spine_parent ? 1 : 0);
       const int32_t total = scan_in_place(counts, n, warp_sums);
       counted += total - (spine_child ? 1 : 0);
       if (counted > cap || end + total > capacity) return cap + 1;
@@ -186,17 +201,23 @@ struct Enumeration {
     return counted;
   }
 
-  // The tie rule between off-spine entries a != b: score, then the parents' order (spine
-  // nodes first, by depth; others recursively), then rank. (No score is -0.0 or NaN, so
-  // floats compare as the heap's bits do.)
-  __device__ bool before(int32_t a, int32_t b) const {
+  // Whether entry a comes before entry b (a != b) in the order of the tree's nodes, a node
+  // index's: score, then the parents' order, then rank. Best-first numbers the spine first
+  // (by depth), then nodes in this order, so a parent's order is the spine's before it
+  // compares scores. JetSpec (expanding) numbers a node's children when it expands, in
+  // (score, node index) order, so its spine (node index = depth) comes first only among
+  // equal scores, at every level. (No score is -0.0 or NaN: floats compare as the heap's
+  // bits do.)
+  __device__ bool before(int32_t a, int32_t b, bool expanding) const {
+    auto spine_first = [&](int32_t x, int32_t y) {
+      return on_spine(x) && on_spine(y) ? depth(x) < depth(y) : on_spine(x);
+    };
     while (true) {
       if (score[a] != score[b]) return score[a] > score[b];
+      if (expanding && (on_spine(a) || on_spine(b))) return spine_first(a, b);
       const int32_t pa = parent[a], pb = parent[b];
       if (pa == pb) return rank[a] < rank[b];
-      if (on_spine(pa) || on_spine(pb)) {
-        return on_spine(pa) && on_spine(pb) ? depth(pa) < depth(pb) : on_spine(pa);
-      }
+      if (!expanding && (on_spine(pa) || on_spine(pb))) return spine_first(pa, pb);
       a = pa;
       b = pb;
     }
@@ -231,100 +252,174 @@ __device__ inline void bitonic_sort(uint64_t* keys, int32_t n) {
   }
 }
 
-// The parallel best-first build of one request into the shared-memory rows; false (having
-// written nothing) when the serial build must run instead. Every thread calls it.
-__device__ bool build_parallel(const float* lp, int32_t L, int32_t K, int32_t budget,
-                               bool spine, int64_t root_token, Enumeration en, TreeRows t) {
-  // -0.0 is refused too: the serial build gives the root's first child the log-prob itself
-  // (-0.0) but others 0 + it (+0.0), which differ in the heap's order and not in a float's.
+// Whether the log-probs suit the parallel build: each depth's sorted, none above 0, no
+// NaN, and no -0.0 (the serial build gives the root's first child the log-prob itself but
+// others 0 + it, so -0.0 and +0.0, which the heap's order tells apart and a float's not).
+__device__ inline bool parallel_build_applies(const float* lp, int32_t L, int32_t K) {
   int32_t bad = 0;
   for (int64_t k = threadIdx.x; k < static_cast<int64_t>(L) * K; k += blockDim.x) {
     bad |= k % K == 0 ? !(lp[k] <= 0.0f) : !(lp[k - 1] >= lp[k]);  // NaN is bad too
-    bad |= ordered_bits(lp[k]) == 0x7fffffffu;  // -0.0
+    bad |= ordered_bits(lp[k]) == 0x7fffffffu;
   }
-  if (__syncthreads_count(bad) > 0) return false;
+  return __syncthreads_count(bad) == 0;
+}
+
+// Each entry's place in the order of `before` (en.index), among the entries off the spine
+// (best-first: the spine is laid first) or all of them (JetSpec: the spine expands in
+// turn): a bitonic sort by score, then, within equal scores, a count of those before.
+// `placed`: how many entries that is (size, or those off the spine).
+__device__ void place_entries(Enumeration en, int32_t size, bool expanding, int32_t placed) {
+  int32_t n = 1;
+  while (n < size) n *= 2;
+  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const bool ranked = e < size && (expanding || !en.on_spine(e));
+    en.keys[e] = ranked ? static_cast<uint64_t>(~ordered_bits(en.score[e])) << 32 | e : ~0ull;
+  }
+  __syncthreads();
+  bitonic_sort(en.keys, n);
+  for (int32_t q = threadIdx.x; q < placed; q += blockDim.x) {
+    const uint64_t key = en.keys[q];
+    const int32_t e = static_cast<int32_t>(key & 0xffffffffu);
+    const uint64_t high = key >> 32 << 32;  // NaN scores are refused: high + 2^32 is no wrap
+    const int32_t first = lower_bound(en.keys, placed, high);
+    const int32_t end = lower_bound(en.keys, placed, high + (1ull << 32));
+    int32_t place = first;
+    for (int32_t q2 = first; end - first > 1 && q2 < end; ++q2) {
+      const int32_t e2 = static_cast<int32_t>(en.keys[q2] & 0xffffffffu);
+      if (e2 != e && en.before(e2, e, expanding)) ++place;
+    }
+    en.index[e] = place;
+  }
+  __syncthreads();
+}
+
+// Rows of the spine (nodes 1..Lc; the root's by add_root), each a rank-0 child.
+__device__ inline void write_spine(const float* lp, int32_t K, int32_t Lc, TreeRows t) {
+  float s = 0.0f;
+  for (int32_t d = 1; d <= Lc; ++d) {
+    s = s + lp[static_cast<int64_t>(d - 1) * K];
+    t.token_ids[d] = static_cast<int64_t>(d - 1) * K;
+    t.parents[d] = d - 1;
+    t.depths[d] = d;
+    t.scores[d] = s;
+    t.first_child[d - 1] = d;
+  }
+}
+
+// The parallel build of one request into the shared-memory rows: best-first, or JetSpec's
+// (widths); false (having written no row) when the serial build must run instead. Every
+// thread calls it.
+__device__ bool build_parallel(const float* lp, int32_t L, int32_t K, const Widths& widths,
+                               int32_t budget, bool spine, int64_t root_token,
+                               Enumeration en, TreeRows t) {
+  if (!parallel_build_applies(lp, L, K)) return false;
+  const bool expanding = widths.n > 0;
   const int32_t Lc = spine ? (L < budget ? L : budget) : 0, need = budget - Lc;
   const int32_t cap = en.capacity - L - 1;
-  // Bounds: every prefix scores <= 0 < hi; at lo at least need prefixes off the spine do
-  // (depth 1's ranks, or every prefix down to the lowest, which scores the sum of each
-  // depth's last log-prob, added as the builder adds).
+  // Bounds: every prefix scores <= 0 < hi; at lo enough do (best-first: need off the
+  // spine, at depth 1; else every node of the tree the ranks or widths allow, whose lowest
+  // scores the sum of each depth's last log-prob, added as the builder adds).
   float lo;
   if (need == 0) {
     lo = INFINITY;  // the spine alone: no prefix
-  } else if (need + (spine ? 1 : 0) <= K) {
+  } else if (!expanding && need + (spine ? 1 : 0) <= K) {
     lo = lp[need + (spine ? 1 : 0) - 1];
   } else {
     lo = 0.0f;
-    for (int32_t d = 0; d < L; ++d) lo = lo + lp[static_cast<int64_t>(d) * K + K - 1];
+    for (int32_t d = 0; d < L; ++d) {
+      lo = lo + lp[static_cast<int64_t>(d) * K + max_children(widths, d, K) - 1];
+    }
   }
   lo = fmaxf(lo, -FLT_MAX);
   float hi = FLT_MIN, th = lo;
-  int32_t size = 0, counted = -1;
+  int32_t size = 0, counted = -1, expandable = 0;
   for (int32_t tries = 0;; ++tries) {
-    counted = en.enumerate(th, lp, L, K, Lc, cap, size);
-    if (counted >= need && counted <= cap) break;
+    counted = en.enumerate(th, lp, L, K, widths, Lc, cap, size, expandable);
+    // Enough: best-first, need prefixes off the spine; JetSpec, nodes whose children
+    // number need (the nodes expand in the tie rule's order, all above t before any below).
+    const int32_t enough = expanding ? expandable : counted;
+    if (counted <= cap && enough >= need) break;
     if (counted > cap) lo = th; else hi = th;
     th = lo + (hi - lo) * 0.5f;
     // No float between the bounds: more prefixes tie at one score than the cap holds.
     if (!(th > lo && th < hi) || tries == kMaxThresholdTries) return false;
   }
-  // Sort the off-spine entries by score (descending), then entry.
-  int32_t n = 1;
-  while (n < size) n *= 2;
-  for (int32_t e = threadIdx.x; e < n; e += blockDim.x) {
-    en.keys[e] = e < size && !en.on_spine(e)
-                     ? static_cast<uint64_t>(~ordered_bits(en.score[e])) << 32 | e
-                     : ~0ull;
-  }
-  __syncthreads();
-  bitonic_sort(en.keys, n);
-  // Each entry's place: entries of higher score, plus those of its score that come first
-  // by the tie rule. The first need of them are the tree's nodes Lc + 1 .. budget.
-  for (int32_t q = threadIdx.x; q < counted; q += blockDim.x) {
-    const uint64_t key = en.keys[q];
-    const int32_t e = static_cast<int32_t>(key & 0xffffffffu);
-    const uint64_t high = key >> 32 << 32;  // NaN scores are refused: high + 2^32 is no wrap
-    const int32_t first = lower_bound(en.keys, counted, high);
-    const int32_t end = lower_bound(en.keys, counted, high + (1ull << 32));
-    int32_t place = first;
-    for (int32_t q2 = first; end - first > 1 && q2 < end; ++q2) {
-      const int32_t e2 = static_cast<int32_t>(en.keys[q2] & 0xffffffffu);
-      if (e2 != e && en.before(e2, e)) ++place;
-    }
-    en.index[e] = place < need ? Lc + 1 + place : -1;
-  }
+  const int32_t placed = expanding ? size : counted;
+  place_entries(en, size, expanding, placed);
   const int32_t N = budget + 1;
-  for (int32_t e = threadIdx.x; e < size; e += blockDim.x) {
-    if (en.on_spine(e)) en.index[e] = en.depth(e);
-  }
   for (int32_t i = threadIdx.x; i < N; i += blockDim.x) t.first_child[i] = t.next_sibling[i] = -1;
   if (threadIdx.x == 0) add_root(t, root_token);
   __syncthreads();
-  for (int32_t e = 1 + threadIdx.x; e < size; e += blockDim.x) {
-    const int32_t i = en.index[e];
-    if (i < 0) continue;
-    const int32_t p = en.parent[e], d = en.depth(e);
-    t.token_ids[i] = static_cast<int64_t>(d - 1) * K + en.rank[e];
-    t.parents[i] = en.index[p];
-    t.depths[i] = d;
-    t.scores[i] = en.score[e];
-    if (en.rank[e] == 0) t.first_child[en.index[p]] = i;
-    if (e + 1 < size && en.parent[e + 1] == p && en.index[e + 1] >= 0) {
-      t.next_sibling[i] = en.index[e + 1];
+  if (threadIdx.x == 0) write_spine(lp, K, Lc, t);
+  if (!expanding) {
+    // The first need entries off the spine are the tree's nodes Lc + 1 .. budget.
+    for (int32_t e = threadIdx.x; e < size; e += blockDim.x) {
+      const int32_t place = en.index[e];
+      en.index[e] = en.on_spine(e) ? en.depth(e) : place < need ? Lc + 1 + place : -1;
     }
+    __syncthreads();
+    for (int32_t e = 1 + threadIdx.x; e < size; e += blockDim.x) {
+      const int32_t i = en.index[e];
+      if (i < 0) continue;
+      const int32_t p = en.parent[e];
+      if (e + 1 < size && en.parent[e + 1] == p && en.index[e + 1] >= 0) {
+        t.next_sibling[i] = en.index[e + 1];
+      }
+      if (en.on_spine(e)) continue;  // its row is write_spine's
+      t.token_ids[i] = static_cast<int64_t>(en.depth(e) - 1) * K + en.rank[e];
+      t.parents[i] = en.index[p];
+      t.depths[i] = en.depth(e);
+      t.scores[i] = en.score[e];
+      if (en.rank[e] == 0) t.first_child[en.index[p]] = i;
+    }
+    __syncthreads();
+    return true;
+  }
+  // JetSpec: the entries expand in place order, each appending its children of ranks
+  // first .. max_children - 1 (first: 1 on the spine above Lc, else 0) as the next nodes,
+  // until need. order[place] = entry, then `appended` = the children before each place.
+  auto* order = reinterpret_cast<int32_t*>(en.keys);
+  int32_t* appended = order + placed;
+  for (int32_t e = threadIdx.x; e < size; e += blockDim.x) order[en.index[e]] = e;
+  __syncthreads();
+  auto first_rank = [&](int32_t e) { return en.on_spine(e) && en.depth(e) < Lc ? 1 : 0; };
+  for (int32_t q = threadIdx.x; q < placed; q += blockDim.x) {
+    const int32_t e = order[q], d = en.depth(e);
+    appended[q] = d < L ? max_children(widths, d, K) - first_rank(e) : 0;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // spine nodes scoring below the threshold: not enumerated
-    const int32_t enumerated = size - 1 - counted;
-    float s = 0.0f;
-    for (int32_t d = 1; d <= Lc; ++d) {
-      s = s + lp[static_cast<int64_t>(d - 1) * K];
-      if (d <= enumerated) continue;
-      t.token_ids[d] = static_cast<int64_t>(d - 1) * K;
-      t.parents[d] = d - 1;
-      t.depths[d] = d;
-      t.scores[d] = s;
-      t.first_child[d - 1] = d;
+  scan_in_place(appended, placed, en.warp_sums);
+  // Each entry's node index: its place among its parent's appended children.
+  for (int32_t q = threadIdx.x; q < placed; q += blockDim.x) {
+    const int32_t e = order[q];
+    if (en.on_spine(e)) {
+      en.rank[e] = en.depth(e);  // rank is free now: it holds the node index
+      continue;
+    }
+    const int32_t p = en.parent[e], j = appended[en.index[p]] + en.rank[e] - first_rank(p);
+    en.rank[e] = j < need ? Lc + 1 + j : -1;
+  }
+  __syncthreads();
+  for (int32_t q = threadIdx.x; q < placed; q += blockDim.x) {
+    const int32_t e = order[q], d = en.depth(e), start = appended[q];
+    const int32_t i = en.rank[e], first = first_rank(e);
+    if (d >= L || start >= need || i < 0) continue;
+    const int32_t count = max_children(widths, d, K) - first;
+    const int32_t n = count < need - start ? count : need - start;
+    for (int32_t j = 0; j < n; ++j) {
+      const int32_t c = Lc + 1 + start + j, r = first + j;
+      t.token_ids[c] = static_cast<int64_t>(d) * K + r;
+      t.parents[c] = i;
+      t.depths[c] = d + 1;
+      t.scores[c] = en.score[e] + lp[static_cast<int64_t>(d) * K + r];
+      if (j + 1 < n) t.next_sibling[c] = c + 1;
+    }
+    if (n > 0) {
+      if (first == 0) {
+        t.first_child[i] = Lc + 1 + start;
+      } else {
+        t.next_sibling[i + 1] = Lc + 1 + start;  // after the spine's own rank-0 child
+      }
     }
   }
   __syncthreads();
@@ -349,7 +444,7 @@ inline BuildLayout build_layout(int64_t budget, int64_t L, const Widths& widths,
   const size_t heap = N * sizeof(Candidate);
   b.entries = enumeration_entries(budget, L);
   const size_t enumeration = b.entries * kEnumBytesPerEntry + kWarpSumsBytes;
-  b.parallel = widths.n == 0 && b.rows + enumeration <= optin;
+  b.parallel = b.rows + enumeration <= optin;
   b.work = b.parallel ? std::max(heap, enumeration) : heap;
   b.total_without_logprobs = b.rows + b.work;
   return b;
@@ -393,7 +488,7 @@ __global__ void build_tree_kernel(const int64_t* __restrict__ roots,
     auto* ints = reinterpret_cast<int32_t*>(score + entries);
     const Enumeration en{keys, score, ints, ints + entries, ints + 2 * entries,
                          ints + 3 * entries, ints + 4 * entries, entries};
-    built = build_parallel(lp, L, K, budget, spine, roots[r], en, rows);
+    built = build_parallel(lp, L, K, widths, budget, spine, roots[r], en, rows);
   }
   if (threadIdx.x == 0) DDTREE_COUNT_BUILD(built);
   if (!built && threadIdx.x == 0) {

@@ -316,18 +316,25 @@ __device__ bool build_parallel(const float* lp, int32_t L, int32_t K, const Widt
   const bool expanding = widths.n > 0;
   const int32_t Lc = spine ? (L < budget ? L : budget) : 0, need = budget - Lc;
   const int32_t cap = en.capacity - L - 1;
-  // Bounds: every prefix scores <= 0 < hi; at lo enough do (best-first: need off the
-  // spine, at depth 1; else every node of the tree the ranks or widths allow, whose lowest
-  // scores the sum of each depth's last log-prob, added as the builder adds).
-  float lo;
+  // Bounds: every prefix scores <= 0 < hi; at lo enough do: best-first, need off the spine
+  // at depth 1 where K allows; else every node down to the first depth whose nodes and
+  // those above them take (JetSpec) or are (best-first) enough children, the lowest of
+  // which scores the sum of each depth's last log-prob, added as the builder adds.
+  float lo = 0.0f;
   if (need == 0) {
     lo = INFINITY;  // the spine alone: no prefix
   } else if (!expanding && need + (spine ? 1 : 0) <= K) {
     lo = lp[need + (spine ? 1 : 0) - 1];
   } else {
-    lo = 0.0f;
+    // JetSpec counts the children of the nodes at lo; best-first, those nodes themselves.
+    int64_t nodes = 1, children = 0;  // at depth d; below depths <= d
     for (int32_t d = 0; d < L; ++d) {
-      lo = lo + lp[static_cast<int64_t>(d) * K + max_children(widths, d, K) - 1];
+      const int32_t most = max_children(widths, d, K);
+      children += nodes * most - (d < Lc ? 1 : 0);
+      if (expanding && children >= need) break;
+      lo = lo + lp[static_cast<int64_t>(d) * K + most - 1];
+      if (!expanding && children >= need) break;
+      nodes = nodes * most < cap ? nodes * most : cap;
     }
   }
   lo = fmaxf(lo, -FLT_MAX);

@@ -173,7 +173,8 @@ def test_topk_ranked_cuda_orders_ties_as_the_cpu_path() -> None:
 
 @pytest.mark.parametrize("B", [64, 256, 1024])  # past 48 KiB of smem the build opts in
 @pytest.mark.parametrize("spine", [False, True])
-def test_tree_pipeline_captures_in_a_cuda_graph(B, spine) -> None:
+@pytest.mark.parametrize("widths", [[], [7]])  # best-first, JetSpec's
+def test_tree_pipeline_captures_in_a_cuda_graph(B, spine, widths) -> None:
     """Top-k, the parallel build, verify and compaction replayed from one graph on new
     logits: the build equals the CPU op on the graph's own top-k, bit for bit."""
     R, L, V = 4, 15, 1000
@@ -187,8 +188,8 @@ def test_tree_pipeline_captures_in_a_cuda_graph(B, spine) -> None:
     qsl = torch.arange(R + 1, device=CUDA, dtype=torch.int32) * (B + 1)
 
     def step():
-        logprobs, ids = ops.topk_ranked(logits, B)
-        trees = ops.build_tree(roots, logprobs, ids, B, spine)
+        logprobs, ids = ops.topk_ranked(logits, max(widths) if widths else B)
+        trees = ops.build_tree(roots, logprobs, ids, B, spine, widths)
         # The target follows the first child twice, then its own random choice.
         target = torch.where(trees.depths < 2,
                              trees.token_ids.gather(1, trees.first_child.clamp(min=0).long()),
@@ -211,7 +212,7 @@ def test_tree_pipeline_captures_in_a_cuda_graph(B, spine) -> None:
         cache_before, hidden_before = cache.clone(), hidden.clone()
         graph.replay()
         torch.cuda.synchronize()
-        want_trees = ops.build_tree(roots.cpu(), logprobs.cpu(), ids.cpu(), B, spine)
+        want_trees = ops.build_tree(roots.cpu(), logprobs.cpu(), ids.cpu(), B, spine, widths)
         for name, a, b in zip(want_trees._fields, want_trees, trees):
             assert torch.equal(a, b.cpu()), name
         # The followed chain of two (a flat best-first tree may lack the second).

@@ -87,7 +87,7 @@ def topk_ranked(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     is torch.topk's choice.
     """
     values, ids = torch.topk(logits, k, dim=-1)  # the same tokens as log-softmax's top-k
-    if logits.device.type in RANKING_KERNEL_DEVICES:
+    if logits.device.type in RANKING_KERNEL_DEVICES and k <= MAX_BUDGET:  # its one sort's size
         from vllm_ddtree.ranked_topk import ranked_topk
 
         return ranked_topk(logits.contiguous(), values, ids)

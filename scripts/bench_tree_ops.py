@@ -119,9 +119,11 @@ def bench_budget(budget: int, R: int, dev: str, repeats: int, gen: torch.Generat
     timings = {
         "build_from_logits": median_us(
             lambda: ops.build_tree_from_logits(roots, logits, budget), repeats, dev),
-        # The top-k alone, and as it was before the log-sum-exp kernel (a float32
-        # log-softmax of the whole logits first): on CPU topk_ranked still does that.
+        # The top-k alone; torch.topk alone (on CUDA the Triton top-k replaces it, the
+        # log-sum-exp and the ranking); and a float32 log-softmax of the whole logits
+        # first, as it was before either kernel.
         "topk_ranked": median_us(lambda: topk_ranked(logits, budget), repeats, dev),
+        "torch_topk": median_us(lambda: torch.topk(logits, budget), repeats, dev),
         "topk_of_log_softmax": median_us(
             lambda: torch.topk(torch.log_softmax(logits.float(), -1), budget), repeats, dev),
         "build_from_topk": median_us(

@@ -3,7 +3,7 @@
 
 The CPU tests run the kernels under Triton's interpreter, which accepts code that the GPU
 compiler rejects and knows no shared-memory limit. This runs each kernel's own Python
-launcher (the tree-attention, log-sum-exp and tree Gated DeltaNet wrappers) on CPU tensors
+launcher (the tree-attention, top-k ranking and tree Gated DeltaNet wrappers) on CPU tensors
 shaped as the backend and the benchmark launch them, catches the launches instead of running
 them, and compiles each with Triton's compiler for Hopper (sm_90) and Blackwell (sm_100)
 down to a cubin. A compile error, or shared memory over a block's 227 KiB, fails it.
@@ -110,12 +110,10 @@ def ranked_topk_launches() -> list:
     """The drafter's top-k ranking at Qwen3's vocabulary, budgets 16 to 1024."""
     from vllm_ddtree import ranked_topk as rk
 
-    with caught_launches(rk, "_ranked_topk_kernel") as launches:
+    with caught_launches(rk, "_partial_topk_kernel", "_ranked_topk_kernel") as launches:
         for dtype, k in itertools.product((torch.float16, torch.bfloat16, torch.float32),
                                           (16, 64, 256, 1000, 1024)):
-            rk.ranked_topk(torch.empty(4, 15, 151936, dtype=dtype),
-                           torch.empty(4, 15, k, dtype=dtype),
-                           torch.empty(4, 15, k, dtype=torch.int64))
+            rk.ranked_topk(torch.empty(4, 15, 151936, dtype=dtype), k, splits=8)
     return launches
 
 

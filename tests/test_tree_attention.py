@@ -315,8 +315,8 @@ def test_kernels_compile_for_hopper_and_blackwell() -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     compiled = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
     for arch in ("sm_90", "sm_100"):
-        for kernel in ("_tree_attention_kernel", "_merge_splits", "_ranked_topk_kernel",
-                       "_tree_conv_kernel", "_tree_gdn_kernel", "_commit_gdn_kernel",
-                       "_commit_conv_kernel"):
+        for kernel in ("_tree_attention_kernel", "_merge_splits", "_partial_topk_kernel",
+                       "_ranked_topk_kernel", "_tree_conv_kernel", "_tree_gdn_kernel",
+                       "_commit_gdn_kernel", "_commit_conv_kernel"):
             assert any(line.startswith(f"ok   {arch} {kernel} ") for line in compiled), (
                 arch, kernel)

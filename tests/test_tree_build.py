@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tree_cases import num_expanded, num_prefixes, random_topk
 
 from vllm_ddtree import ops, reference
-from vllm_ddtree.tree import MAX_BUDGET, topk_ranked
+from vllm_ddtree.ranked_topk import ranked_topk
+from vllm_ddtree.tree import MAX_BUDGET, rank_by_logprob, topk_ranked
 
 
 @st.composite
@@ -220,25 +221,10 @@ def test_build_from_logits_names_a_bad_logits_shape() -> None:
         ops.build_tree_from_logits(torch.tensor([0]), torch.zeros(1, 100), budget=4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab, k", [(1, 1), (7, 7), (2048, 16), (5000, 100)])
-def test_ranked_topk_matches_float64(dtype, vocab, k) -> None:
-    """The Triton ranking (CUDA's topk_ranked; here under Triton's interpreter): log-probs
-    of the top-k equal float64's, for logits far from 0 (a naive exp overflows), rows partly
-    -inf, and vocabularies shorter than, equal to and spanning its block; ranked by value,
-    then id; the top-k's tokens."""
-    from vllm_ddtree.ranked_topk import ranked_topk
-
-    x = torch.randn(3, 4, vocab, generator=torch.Generator().manual_seed(vocab)) * 8 + 120
-    x[1, 2, :(vocab - 1) // 2] = float("-inf")
-    x = x.to(dtype)
-    values, ids = torch.topk(x, k, dim=-1)
-    logprobs, ranked = ranked_topk(x, values, ids)
-    assert logprobs.dtype == torch.float32 and ranked.dtype == torch.int64
-    exact = torch.log_softmax(x.double(), -1).gather(-1, ranked)
-    torch.testing.assert_close(logprobs.double(), exact, rtol=1e-6, atol=1e-5)
-    assert torch.equal(ranked.sort(-1).values, ids.sort(-1).values)
-    assert_ranked(logprobs, ranked)
+def lowest_ids_ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU path's ranking of the top k by logit, equal logits by id ascending: the
+    tokens the CUDA top-k keeps at a tied cut."""
+    return rank_by_logprob(x, torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k])
 
 
 def assert_ranked(logprobs: torch.Tensor, ids: torch.Tensor) -> None:
@@ -249,39 +235,89 @@ def assert_ranked(logprobs: torch.Tensor, ids: torch.Tensor) -> None:
     assert (ids[..., 1:] > ids[..., :-1])[tied].all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab, k, splits", [(1, 1, 1), (7, 7, 1), (2048, 16, 1), (2048, 16, 2),
+                                              (5000, 100, 1), (5000, 100, 3), (3000, 1000, 2)])
+def test_ranked_topk_matches_float64(dtype, vocab, k, splits) -> None:
+    """The Triton top-k (CUDA's topk_ranked; here under Triton's interpreter): log-probs
+    of the top-k equal float64's, for logits far from 0 (a naive exp overflows), rows partly
+    -inf, vocabularies shorter than, equal to and spanning its block, one row split over
+    programs or not; ranked by value, then id; the top-k's tokens."""
+    x = torch.randn(3, 4, vocab, generator=torch.Generator().manual_seed(vocab)) * 8 + 120
+    x[1, 2, :(vocab - 1) // 2] = float("-inf")
+    x = x.to(dtype)
+    logprobs, ranked = ranked_topk(x, k, splits)
+    assert logprobs.dtype == torch.float32 and ranked.dtype == torch.int64
+    exact = torch.log_softmax(x.double(), -1).gather(-1, ranked)
+    torch.testing.assert_close(logprobs.double(), exact, rtol=0, atol=2e-5)
+    want = lowest_ids_ranked(x, k)[1]
+    assert torch.equal(ranked.sort(-1).values, want.sort(-1).values)
+    assert_ranked(logprobs, ranked)
+
+
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 6),
-       vocab=st.sampled_from([1, 2, 5, 17, 300, 3000]), k_share=st.floats(0, 1),
-       ties=st.booleans())
-def test_ranked_topk_equals_the_cpu_path(seed, rows, vocab, k_share, ties) -> None:
-    """bfloat16 logits (as drafters give them; with ``ties``, integers): the ranking
-    kernel's tokens and order are the CPU path's, its log-probs within float32 rounding."""
-    from vllm_ddtree.ranked_topk import ranked_topk
-
+       vocab=st.sampled_from([1, 2, 5, 17, 300, 3000, 5000]), k_share=st.floats(0, 1),
+       ties=st.booleans(), splits=st.integers(1, 6))
+def test_ranked_topk_equals_the_cpu_path(seed, rows, vocab, k_share, ties, splits) -> None:
+    """bfloat16 logits (as drafters give them; with ``ties``, integers): the Triton top-k's
+    tokens and order are the CPU path's (at a tied cut, the lowest ids), its log-probs
+    within float32 rounding, however a row is split."""
     k = 1 + int(k_share * (min(vocab, 1024) - 1))
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
     x = (torch.round(x) if ties else x).to(torch.bfloat16)
-    want_logprobs, want_ids = topk_ranked(x, k)
-    logprobs, ids = ranked_topk(x, *torch.topk(x, k, dim=-1))
+    want_logprobs, want_ids = lowest_ids_ranked(x, k)
+    logprobs, ids = ranked_topk(x, k, splits)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "ascending ties"])
+@pytest.mark.parametrize("k, splits", [(64, 1), (1000, 1), (200, 4)])
+def test_ranked_topk_keeps_the_best_whatever_the_order(order, k, splits) -> None:
+    """Logits that grow along the vocabulary make every tile's keys beat the best so far
+    (a sort per tile); falling ones pass none after the first: both give the top k."""
+    x = torch.arange(6000, dtype=torch.float32) / 100
+    x = {"ascending": x, "descending": x.flip(0), "ascending ties": torch.floor(x / 2)}[order]
+    x = x.expand(2, -1).contiguous()
+    want_logprobs, want_ids = lowest_ids_ranked(x, k)
+    logprobs, ids = ranked_topk(x, k, splits)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=5e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ranked_topk_orders_ties_as_the_cpu_path(dtype) -> None:
-    """Integer logits (many exact ties, as bfloat16 logits have): the kernel's one sort of
+    """Integer logits (many exact ties, as bfloat16 logits have): the kernel's sort of
     (log-prob, id) keys gives the CPU path's two stable sorts' order, token for token."""
-    from vllm_ddtree.ranked_topk import ranked_topk
-
     x = torch.round(torch.randn(2, 5, 3000, generator=torch.Generator().manual_seed(1)) * 2)
     x = x.to(dtype)
-    want_logprobs, want_ids = topk_ranked(x, 64)  # CPU: log-softmax, two sorts
-    logprobs, ids = ranked_topk(x, *torch.topk(x, 64, dim=-1))
+    want_logprobs, want_ids = lowest_ids_ranked(x, 64)  # CPU: log-softmax, two sorts
+    logprobs, ids = ranked_topk(x, 64, 2)
     assert torch.equal(ids, want_ids)
     assert_ranked(logprobs, ids)
     assert (logprobs[..., 1:] == logprobs[..., :-1]).sum() > 200  # ties it had to order
     torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=2e-6)
     assert torch.equal(ids[..., 0], x.float().argmax(-1))  # the first of tied maxima
+
+
+def test_ranked_topk_names_a_bad_k() -> None:
+    with pytest.raises(ValueError, match="argument 'k' must be in"):
+        ranked_topk(torch.zeros(2, 10), 11)
+
+
+def test_auto_splits_fill_the_gpu_from_shapes(monkeypatch) -> None:
+    """Rows split to fill 2 programs per multiprocessor, within MAX_SPLITS and one block
+    of the vocabulary each; none off CUDA."""
+    from vllm_ddtree import ranked_topk as rk
+
+    monkeypatch.setattr(rk, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert rk.auto_splits(15, 151936, cuda) == 17
+    assert rk.auto_splits(1, 151936, cuda) == rk.MAX_SPLITS
+    assert rk.auto_splits(480, 151936, cuda) == 1
+    assert rk.auto_splits(1, 3000, cuda) == 3
+    assert rk.auto_splits(1, 151936, torch.device("cpu")) == 1
 
 
 @settings(max_examples=1500, deadline=None)

@@ -40,7 +40,8 @@ def record_launches(monkeypatch, execute: bool = True) -> list:
 
     return jit_keys.record_launches(monkeypatch, {
         "attention": tta._tree_attention_kernel, "merge": tta._merge_splits,
-        "ranking": ranked_topk._ranked_topk_kernel}, execute)
+        "top-k": ranked_topk._partial_topk_kernel, "ranking": ranked_topk._ranked_topk_kernel},
+        execute)
 
 
 def split_counts(launches: list, windowed: bool | None = None) -> set[int]:
@@ -94,6 +95,27 @@ def test_warm_up_forward_launches_exactly_what_steps_launch(monkeypatch, dtype, 
     assert any(name == "merge" for name, _ in launches) == (window is None)
 
 
+def test_top_k_compiles_once_for_every_batch(monkeypatch) -> None:
+    """On a GPU of 132 multiprocessors a row of Qwen3's vocabulary is split over 32 down to
+    1 programs as the batch grows (15 rows a request): the top-k kernels' launches share one
+    key, so warm-up's one tree (one request) compiles what every batch launches."""
+    from vllm_ddtree import ranked_topk as rk
+
+    monkeypatch.setattr(rk, "_multiprocessors", lambda device: 132)
+    auto = rk.auto_splits
+    monkeypatch.setattr(rk, "auto_splits",
+                        lambda rows, vocab, device: auto(rows, vocab, torch.device("cuda")))
+    launches = record_launches(monkeypatch, execute=False)
+    logits = torch.empty(64 * 15, 151936, dtype=torch.bfloat16)
+    splits = set()
+    for reqs in (1, 2, 3, 5, 8, 16, 33, 64):
+        splits.add(rk.auto_splits(reqs * 15, 151936, logits.device))
+        rk.ranked_topk(logits[:reqs * 15], 256)
+    assert splits >= {1, 2, 17}
+    assert len({key for name, key in launches if name == "top-k"}) == 1
+    assert len({key for name, key in launches if name == "ranking"}) == 1
+
+
 def test_split_choices_span_the_engine_bounds(monkeypatch) -> None:
     # 64 x 64 tiles (bf16) and 4 query heads per KV head: 16 tokens a query tile, 2 KV
     # heads. On 8 multiprocessors (4 programs each) up to 8 tiles get 2 or more splits, 2
@@ -118,7 +140,7 @@ def test_split_choices_span_the_engine_bounds(monkeypatch) -> None:
 def test_engine_start_up_launches_every_configuration_steps_launch(
         tiny_models: Path, tmp_path: Path, monkeypatch, family) -> None:
     """The engine with TREE_ATTN's CUDA backend on the interpreter: every key the tree
-    kernel, its merge and the log-sum-exp kernel are launched under in real steps (batches
+    kernel, its merge and the top-k kernels are launched under in real steps (batches
     of 4 down to 1 request, so 1, 2 and 4 splits) was launched at start-up, before the first
     request; for gpt-oss, its windowed layers' too. And every key DFlash's input copy is
     called under was registered with vLLM's JIT warm-up (which compiles them on a GPU),
@@ -149,13 +171,13 @@ def test_engine_start_up_launches_every_configuration_steps_launch(
               for n in (3, 6, 9, 12)]
     llm.generate(PROMPTS[:4], params, use_tqdm=False)
     steps = launches[len(start_up):]
-    for name in ("attention", "merge", "ranking"):
+    for name in ("attention", "merge", "top-k", "ranking"):
         assert {k for n, k in steps if n == name} <= {k for n, k in start_up if n == name}
     # Every split count the engine's batches can pick was compiled, not only those seen.
     assert split_counts(start_up, windowed=False) == {1, 2, 4}
     assert split_counts(start_up, windowed=True) == ({1} if family == "gpt-oss" else set())
     assert len(split_counts(steps)) > 1 and any(n == "merge" for n, _ in steps)
-    assert any(n == "ranking" for n, _ in steps)
+    assert {"top-k", "ranking"} <= {n for n, _ in steps}
 
     # DFlash's input copy: real calls' keys among the registered warm-up's.
     key = jit_keys.cuda_key_function(jit_keys.vllm_kernel(

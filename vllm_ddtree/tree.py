@@ -51,9 +51,9 @@ from typing import NamedTuple
 import torch
 
 MAX_BUDGET = 1024  # the CUDA builder keeps a request's heap in shared memory
-# Devices where topk_ranked ranks the top-k with a Triton kernel (vllm_ddtree/ranked_topk.py):
-# one pass over the vocabulary, no float32 copy of the logits, one sort. On CPU torch's fused
-# log-softmax is faster than a separate log-sum-exp.
+# Devices where topk_ranked takes the top-k with Triton kernels (vllm_ddtree/ranked_topk.py):
+# one pass over the vocabulary for the top-k and the log-sum-exp, no float32 copy of the
+# logits. On CPU torch's topk and fused log-softmax are faster than the interpreter.
 RANKING_KERNEL_DEVICES = ("cuda",)
 
 
@@ -84,13 +84,19 @@ def topk_ranked(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
     ``logits`` [..., V] → (float32 [..., k], int64 [..., k]). Runs on the logits' device
     with no host sync. Which of several tokens tied exactly at the k-th value make the cut
-    is torch.topk's choice.
+    is torch.topk's choice on CPU; on CUDA the lowest ids.
     """
-    values, ids = torch.topk(logits, k, dim=-1)  # the same tokens as log-softmax's top-k
-    if logits.device.type in RANKING_KERNEL_DEVICES and k <= MAX_BUDGET:  # its one sort's size
+    if logits.device.type in RANKING_KERNEL_DEVICES and k <= MAX_BUDGET:  # its sorts' size
         from vllm_ddtree.ranked_topk import ranked_topk
 
-        return ranked_topk(logits.contiguous(), values, ids)
+        return ranked_topk(logits.contiguous(), k)
+    ids = torch.topk(logits, k, dim=-1).indices  # the same tokens as log-softmax's top-k
+    return rank_by_logprob(logits, ids)
+
+
+def rank_by_logprob(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens ``ids`` [..., k] of ``logits`` [..., V] as topk_ranked returns them: float32
+    log-softmax values, descending, equal values by id."""
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
     # Two stable sorts: by id, then by value descending; equal values keep id order.
     ids, order = torch.sort(ids, dim=-1)

@@ -27,7 +27,8 @@ def warm_up(runner: Any) -> None:
       tree kernel at each split count ``auto_splits`` can pick for this engine's batches,
       merge kernel included, with the forward's own arguments (so its windowed layers'
       unsplit variant too): backend.warming_up;
-    - the drafter's tree build on logits of the drafter's own (ranked_topk on CUDA);
+    - the drafter's tree build on logits of the drafter's own (ranked_topk on CUDA, one
+      compiled key for every batch);
 
     and register DFlash's input copy for vLLM's JIT warm-up. Trees do not change a launch's
     configuration (they are data), nor do batch sizes beyond the split count

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from test_tree_build import build_cases, jetspec_cases
+from test_tree_build import build_cases, jetspec_cases, lowest_ids_ranked
 from test_tree_compact import (
     caches_of_two_geometries,
     compact_cases,
@@ -161,14 +161,28 @@ def test_topk_ranked_cuda_equals_cpu(dtype) -> None:
 
 
 def test_topk_ranked_cuda_orders_ties_as_the_cpu_path() -> None:
-    """Integer bfloat16 logits (many exact ties): the ranking kernel's one sort gives the
-    CPU path's order, token for token."""
+    """Integer bfloat16 logits (many exact ties): the CUDA top-k keeps the lowest ids at a
+    tied cut and its sort gives the CPU path's order, token for token."""
     x = torch.round(torch.randn(4, 15, 151936, generator=torch.Generator().manual_seed(1))
                     * 2).to(torch.bfloat16)
-    want_values, want_ids = ops.topk_ranked(x, 256)
+    want_values, want_ids = lowest_ids_ranked(x, 256)
     values, ids = ops.topk_ranked(x.to(CUDA), 256)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(values.cpu(), want_values, rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("k", [16, 256, 1000, 1024])
+@pytest.mark.parametrize("splits", [1, 5, 32])
+def test_ranked_topk_cuda_splits_agree(k, splits) -> None:
+    """A row split over 1 to 32 programs: the same tokens in the same order as the CPU
+    reference (distinct float32 logits), whatever the split."""
+    from vllm_ddtree.ranked_topk import ranked_topk
+
+    x = torch.randn(3, 151936, generator=torch.Generator().manual_seed(k)) * 4
+    want_values, want_ids = lowest_ids_ranked(x, k)
+    values, ids = ranked_topk(x.to(CUDA), k, splits)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(values.cpu(), want_values, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("B", [64, 256, 1024])  # past 48 KiB of smem the build opts in

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from test_tree_build import build_cases, jetspec_cases, lowest_ids_ranked
+from test_tree_build import (
+    build_cases,
+    check_ranked_topk,
+    jetspec_cases,
+    lowest_ids_ranked,
+    ranked_topk_cases,
+)
 from test_tree_compact import (
     caches_of_two_geometries,
     compact_cases,
@@ -169,6 +175,14 @@ def test_topk_ranked_cuda_orders_ties_as_the_cpu_path() -> None:
     values, ids = ops.topk_ranked(x.to(CUDA), 256)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(values.cpu(), want_values, rtol=0, atol=5e-5)
+
+
+@settings(max_examples=500, deadline=None)
+@given(**ranked_topk_cases([1, 2, 5, 17, 64, 300, 3000, 5000, 151936], max_splits=40))
+def test_ranked_topk_cuda_equals_the_cpu_path(seed, rows, vocab, k_share, ties,
+                                              splits) -> None:
+    """The CPU suite's property test of the Triton top-k, on the GPU, with more cases."""
+    check_ranked_topk(seed, rows, vocab, k_share, ties, splits, CUDA)
 
 
 @pytest.mark.parametrize("k", [16, 256, 1000, 1024])

@@ -82,7 +82,7 @@ def _append_best(S, n, threshold, keys, k, TILE: tl.constexpr, K_BLOCK: tl.const
     if they might not fit. Returns the new (n, threshold)."""
     if n + TILE > SCRATCH:
         threshold = _keep_best(S, n, k, K_BLOCK, SCRATCH)
-        n = n * 0 + K_BLOCK
+        n = tl.full((), K_BLOCK, tl.int32)
     passed = (keys > threshold).to(tl.int32)
     tl.store(S + n + tl.cumsum(passed, axis=0) - passed, keys, mask=passed > 0)
     return n + tl.sum(passed, axis=0), threshold
@@ -100,8 +100,8 @@ def _partial_topk_kernel(X, Scratch, PartMax, PartSum, vocab, stride_row, span, 
     # Per lane: the running max and the sum of exp(x - max), rescaled when the max grows.
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
-    n = tl.program_id(0) * 0  # keys in the scratch
-    threshold = tl.full([BLOCK], PAD, tl.int64).min(axis=0)
+    n = tl.full((), 0, tl.int32)  # keys in the scratch
+    threshold = tl.full((), PAD, tl.int64)
     for start in range(begin, end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         valid = offs < end
@@ -135,7 +135,7 @@ def _ranked_topk_kernel(Scratch, PartMax, PartSum, OutLogprobs, OutIds, splits, 
     # The row's top k: the first split's best keys, then the others' appended to them.
     S = Scratch + row.to(tl.int64) * splits * SCRATCH
     offs = tl.arange(0, K_BLOCK)
-    n = row * 0 + K_BLOCK
+    n = tl.full((), K_BLOCK, tl.int32)
     threshold = tl.load(S + k - 1)
     for split in range(1, splits):
         keys = tl.load(S + split * SCRATCH + offs)

@@ -7,13 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from test_tree_build import (
-    build_cases,
-    check_ranked_topk,
-    jetspec_cases,
-    lowest_ids_ranked,
-    ranked_topk_cases,
-)
+from hypothesis import strategies as st
+from test_tree_build import build_cases, check_ranked_topk, jetspec_cases, lowest_ids_ranked
 from test_tree_compact import (
     caches_of_two_geometries,
     compact_cases,
@@ -177,12 +172,15 @@ def test_topk_ranked_cuda_orders_ties_as_the_cpu_path() -> None:
     torch.testing.assert_close(values.cpu(), want_values, rtol=0, atol=5e-5)
 
 
-@settings(max_examples=500, deadline=None)
-@given(**ranked_topk_cases([1, 2, 5, 17, 64, 300, 3000, 5000, 151936], max_splits=40))
-def test_ranked_topk_cuda_equals_the_cpu_path(seed, rows, vocab, k_share, ties,
-                                              splits) -> None:
-    """The CPU suite's property test of the Triton top-k, on the GPU, with more cases."""
-    check_ranked_topk(seed, rows, vocab, k_share, ties, splits, CUDA)
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 8),
+       vocab=st.sampled_from([5000, 151936]), k=st.sampled_from([16, 256, 1000]),
+       ties=st.booleans(), splits=st.integers(1, 40))
+def test_ranked_topk_cuda_equals_the_cpu_path(seed, rows, vocab, k, ties, splits) -> None:
+    """The CPU suite's property test of the Triton top-k on the GPU: more rows, Qwen3's
+    vocabulary, up to 40 splits asked (32 taken); few k and vocabularies, as each pair
+    compiles anew."""
+    check_ranked_topk(seed, rows, vocab, k, ties, splits, CUDA)
 
 
 @pytest.mark.parametrize("k", [16, 256, 1000, 1024])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from vllm_ddtree.tree import mask_words
@@ -147,3 +148,24 @@ def dense_reference(b: Batch, sliding_window: int | None = None,
             probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
+
+
+def require_cpu_attn_isa(isa: str, dtype: torch.dtype) -> None:
+    """Skips unless the CPU library vLLM loaded here has CPU_ATTN kernels for ``isa``: vLLM
+    loads ``_C`` (with amx) only on a CPU with AVX512-BF16, else ``_C_AVX512`` or
+    ``_C_AVX2``, built without amx. Packing one token runs no tile instruction."""
+    from vllm import _custom_ops as ops
+
+    kv = torch.zeros(1, 1, 64, 64, dtype=dtype)
+    try:
+        ops.cpu_attn_reshape_and_cache(kv[0, 0, :1].unsqueeze(1), kv[0, 0, :1].unsqueeze(1),
+                                       *kv.chunk(2, dim=2), torch.zeros(1, dtype=torch.long),
+                                       isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    except RuntimeError as e:
+        if "Unsupported CPU attention configuration" not in str(e):
+            raise
+        library = "_C" if torch.cpu._is_avx512_bf16_supported() else (
+            "_C_AVX512" if torch.cpu._is_avx512_supported() else "_C_AVX2")
+        pytest.skip(f"vLLM's CPU library on this machine ({library}) has no {isa} attention "
+                    f"kernels for {dtype}: amx is built into _C only, which vLLM loads where "
+                    "the CPU has AVX512-BF16")

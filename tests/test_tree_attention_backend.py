@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from attention_cases import dense_reference, make_batch
+from attention_cases import dense_reference, make_batch, require_cpu_attn_isa
 
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox"]
 
@@ -80,32 +80,31 @@ def layer_sinks(heads: int, with_sinks: bool) -> torch.Tensor | None:
     return torch.linspace(-2.0, 3.0, heads) if with_sinks else None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kinds, contexts", [
-    (["prefill", "bushy", "decode", "decode", "chain", "prefill"], [40, 7, 90, 33, 0, 64]),
-    (["star", "deep"], [31, 64]),
-    (["decode", "prefill"], [12, 70]),
-])
-@pytest.mark.parametrize("window, with_sinks", WINDOW_SINKS)
-def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, window, with_sinks,
-                                                   monkeypatch) -> None:
-    from vllm import _custom_ops as ops
+def run_cpu_mixed_batch(batch, dtype, monkeypatch, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
+    """``batch`` through TREE_ATTN's CPU backend as vLLM drives it: the keys and values
+    written by the impl's KV update (CPU_ATTN's op, which packs keys per ISA), metadata from
+    the builder, then the impl's forward. Returns the tree requests and the output."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends import cpu_attn
 
     from vllm_ddtree.attention import tree_batch
     from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
 
-    batch = make_batch(7, kinds, 12, contexts, 8, 2, 64, 32, dtype)
-    num_reqs, (num_blocks, page, kv_heads, head_size) = len(kinds), batch.key_cache.shape
+    num_reqs, (num_blocks, page, kv_heads, head_size) = len(batch.seq_lens), \
+        batch.key_cache.shape
     builder = cpu_builder(batch, dtype, window)
-    # The batch's keys and values, written into a CPU_ATTN cache by CPU_ATTN's own op (which
-    # packs keys per ISA).
+    # The impl reads only the model dtype from the current config.
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
+    impl = TreeAttentionCPUImpl(batch.query.shape[1], head_size, batch.scale, kv_heads, None,
+                                window, "auto", sinks=sinks)
+    # vLLM gives each layer its builder's ISA (CPUAttentionMetadataBuilder._set_isa_to_layers).
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa=builder.isa)
     kv_cache = torch.zeros(num_blocks, kv_heads, page, 2 * head_size, dtype=dtype)
-    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * page, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(batch.key_cache.flatten(0, 1), batch.value_cache.flatten(0, 1),
-                                   key_cache, value_cache, torch.arange(num_blocks * page),
-                                   builder.isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    impl.do_kv_cache_update(layer, batch.key_cache.flatten(0, 1),
+                            batch.value_cache.flatten(0, 1), kv_cache,
+                            torch.arange(num_blocks * page))
     slots = torch.zeros(batch.query.shape[0], dtype=torch.int64)
     common = CommonAttentionMetadata(
         query_start_loc=batch.query_start_loc, query_start_loc_cpu=batch.query_start_loc,
@@ -121,17 +120,24 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, windo
         metadata = builder.build(0, common)
     finally:
         tree_batch.install(builder.vllm_config, None)
-    assert metadata.tree_requests == [r for r, k in enumerate(kinds) if k not in
-                                      ("prefill", "decode")]
-    # The impl reads only the model dtype from the current config.
-    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
-                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
-    sinks = layer_sinks(8, with_sinks)
-    impl = TreeAttentionCPUImpl(8, head_size, batch.scale, kv_heads, None, window, "auto",
-                                sinks=sinks)
-    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa=builder.isa)
     out = torch.full_like(batch.query, float("nan"))
     impl.forward(layer, batch.query, None, None, kv_cache, metadata, out)
+    return metadata.tree_requests, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kinds, contexts", [
+    (["prefill", "bushy", "decode", "decode", "chain", "prefill"], [40, 7, 90, 33, 0, 64]),
+    (["star", "deep"], [31, 64]),
+    (["decode", "prefill"], [12, 70]),
+])
+@pytest.mark.parametrize("window, with_sinks", WINDOW_SINKS)
+def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, window, with_sinks,
+                                                   monkeypatch) -> None:
+    batch = make_batch(7, kinds, 12, contexts, 8, 2, 64, 32, dtype)
+    sinks = layer_sinks(8, with_sinks)
+    tree_requests, out = run_cpu_mixed_batch(batch, dtype, monkeypatch, window, sinks)
+    assert tree_requests == [r for r, k in enumerate(kinds) if k not in ("prefill", "decode")]
     # Plain requests ran through CPU_ATTN's kernel, tree requests through the torch path.
     err = (out.double() - dense_reference(batch, window, sinks)).abs().max().item()
     assert err <= (1e-4 if dtype == torch.float32 else 3e-2), err
@@ -141,6 +147,7 @@ def test_cpu_backend_mixed_batch_matches_reference(dtype, kinds, contexts, windo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page, head_size", [(32, 64), (128, 128)])
 def test_strided_reading_of_every_cpu_attn_packing(isa, dtype, page, head_size) -> None:
+    require_cpu_attn_isa(isa, dtype)
     # Each packing CPU_ATTN's cache-write op has (probed from the op on this machine, for
     # every ISA's layout) reads through a strided view, and that view gives what the
     # definition of the layout (a gather by `perm`) gives.
@@ -168,6 +175,7 @@ def test_the_probed_layout_reads_what_cpu_attn_wrote(isa, dtype, page, head_size
     """Keys and values written by CPU_ATTN's own cache-write op read back exactly, through
     the probed layout, at blocks of more than 256 tokens too (a hybrid target's attention
     blocks take 640 on CPU; bf16 holds integers exactly only up to 256)."""
+    require_cpu_attn_isa(isa, dtype)
     from vllm import _custom_ops as ops
 
     from vllm_ddtree.attention.cpu_backend import block_reading, read_tiles
@@ -202,6 +210,7 @@ def test_a_packing_without_strided_form_is_gathered() -> None:
 @pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compaction_of_every_cpu_attn_packing(isa, dtype) -> None:
+    require_cpu_attn_isa(isa, dtype)
     # Compaction in CPU_ATTN's packed cache (the native op over slot views for vec and
     # vec16, the host path for amx's slabs) moves exactly what the reference moves in the
     # unpacked keys and values, bit for bit, in every layer.

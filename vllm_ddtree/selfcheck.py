@@ -5,8 +5,9 @@ Docker image runs the latter at build time).
 The checks: the installed vLLM against the pin (``patches/upstream-version``), the patch
 series' state on it, the native ops (which library file, whether it loads, CPU and CUDA
 kernels, built after its sources), TREE_ATTN registered and importable, method "ddtree"
-configurable, vLLM's plugin entry point, and the device (torch, CUDA, the GPU). None starts
-an engine. A failure makes the exit status 1; a warning does not.
+configurable, vLLM's plugin entry point, the device (torch, CUDA, the GPU) and, without a
+GPU, the ISA of vLLM's CPU attention (AMX and Linux's permission for it). None starts an
+engine. A failure makes the exit status 1; a warning does not.
 """
 
 from __future__ import annotations
@@ -89,6 +90,33 @@ def device() -> dict:
             major, minor = torch.cuda.get_device_capability(i)
             gpus.append((torch.cuda.get_device_name(i), f"{major}.{minor}"))
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus}
+
+
+def amx_permission_held() -> bool:
+    """Whether Linux lets this process run AMX tile instructions (arch_prctl
+    ARCH_GET_XCOMP_PERM, bit XFEATURE_XTILEDATA); asks nothing."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    mask = ctypes.c_ulong(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(158, 0x1022, ctypes.byref(mask)) != 0:  # SYS_arch_prctl, GET_XCOMP_PERM
+        return False
+    return bool(mask.value >> 18 & 1)
+
+
+def cpu_attention() -> dict:
+    """The CPU's AMX (by CPUID), the ISA vLLM's CPU_ATTN chooses per dtype (blocks of 128,
+    heads of 128), and then whether this process holds Linux's AMX permission."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = {name: _get_attn_isa(dtype, 128, 128, "auto")
+           for name, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32))}
+    return {"amx": torch.cpu._is_amx_tile_supported(), "isa": isa,
+            "permission": amx_permission_held()}
 
 
 def run_on_cuda() -> None:
@@ -312,6 +340,31 @@ def check_device(dist: str | None) -> Check:
     return Check("device", OK, detail)
 
 
+def check_cpu_attention(root: Path | None) -> Check:
+    name = "CPU attention"
+    if root is None:
+        return Check(name, SKIP, "needs vLLM (see vLLM version)")
+    if device()["gpus"]:
+        return Check(name, SKIP, "a GPU runs attention")
+    try:
+        info = cpu_attention()
+    except Exception as e:
+        return Check(name, FAIL, f"vLLM's CPU attention does not import: {_first_line(e)}",
+                     "see vLLM version and patch series")
+    chosen = ", ".join(f"{dtype}: {isa}" for dtype, isa in info["isa"].items())
+    if not info["amx"]:
+        return Check(name, OK, f"CPU_ATTN's ISA {chosen} (no AMX on this CPU)")
+    if info["isa"]["bf16"] == "amx" and not info["permission"]:
+        return Check(name, FAIL, f"CPU_ATTN's ISA {chosen}, without Linux's AMX permission: "
+                     "bf16 attention would die with SIGILL (patch 0017 is not in effect)",
+                     APPLY)
+    if info["isa"]["bf16"] != "amx":
+        return Check(name, WARN, f"CPU_ATTN's ISA {chosen}: the CPU has AMX but Linux refused "
+                     "this process AMX state, so bf16 attention runs without it (slower)",
+                     "Linux 5.16 or later, and no seccomp rule refusing arch_prctl")
+    return Check(name, OK, f"CPU_ATTN's ISA {chosen} (AMX, Linux's permission held)")
+
+
 def run_checks(root: Path | None = None, series_dir: Path | None = None) -> list[Check]:
     """Every check, in order; ``root`` (the folder holding ``vllm/``) and ``series_dir``
     default to the installed vLLM's and this checkout's ``patches/``."""
@@ -326,7 +379,8 @@ def run_checks(root: Path | None = None, series_dir: Path | None = None) -> list
                    for name in ("TREE_ATTN", "method ddtree")]
     else:
         checks += [check_tree_attn(), check_method()]
-    return checks + [check_plugin(), check_device(vllm_distribution())]
+    return checks + [check_plugin(), check_device(vllm_distribution()),
+                     check_cpu_attention(root)]
 
 
 def report(checks: list[Check], prog: str) -> str:

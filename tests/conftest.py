@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (scripts/test.sh runs one worker per core) each worker and what it
+    starts keep to a core of their own, computing on one thread. Unpinned, torch's thread
+    per core in every worker oversubscribes the machine, and the CUDA emulator's thousand
+    threads a block, woken across both cores, took 711 s for a test that takes 35 s on its
+    own core while the other core is busy. vLLM servers a worker starts bind their OpenMP
+    threads to that core too. Set before torch starts its thread pool."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(worker.removeprefix("gw")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
+
+
+_share_the_cores_between_workers()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # vLLM on a CPU-only machine: a small KV cache, and the engine in this process.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -44,6 +65,26 @@ def _interpret_xor_sum_with_numpy() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpret_xor_sum_with_numpy()
+
+
+@pytest.fixture(autouse=True)
+def _collect_only_what_the_test_made():
+    """vLLM collects garbage about nine times an engine start. Each full collection walks
+    every object torch, vLLM and earlier tests left (0.5 s with one engine loaded): half of
+    an engine test's time. After each test what is still alive is frozen, so later
+    collections walk only what later tests make."""
+    yield
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_what_the_module_held():
+    """Module fixtures (a shared engine) end with the module: unfreeze, so their objects
+    can be collected."""
+    yield
+    gc.unfreeze()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):\n    return", "The name of the file is"]))

@@ -68,6 +68,7 @@ def assert_build_equals_cpu(emulated, case) -> tuple[torch.Tensor, ...]:
     return inputs
 
 
+@pytest.mark.slow
 @settings(max_examples=1000, deadline=None)
 @given(case=build_cases())
 def test_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
@@ -79,6 +80,7 @@ def test_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
     assert parallel + serial == case["num_reqs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [64, 256, 1024])
 @settings(max_examples=60, deadline=None)
 @given(case=build_cases())
@@ -89,6 +91,7 @@ def test_parallel_build_at_several_block_widths(emulated_cuda_ops, threads, case
         assert taken()[1] == 0 or case["ties"]
 
 
+@pytest.mark.slow
 def test_parallel_build_resolves_ties_by_the_tie_rule(emulated_cuda_ops) -> None:
     """Integer log-probs: prefixes of equal score under different parents, at every depth,
     which the parallel build orders by walking up the parents. Most requests take it (a
@@ -126,6 +129,7 @@ def test_build_kernel_goes_serial_on_input_the_parallel_build_cannot_take(
     assert (parallel, serial) == ((8, 4) if spoil in ("nan", "negative_zero") else (0, 12))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth, k", [(16, 1024), (64, 1024)])
 @pytest.mark.parametrize("spine", [False, True])
 def test_build_kernel_at_the_largest_budget(emulated_cuda_ops, depth, k, spine) -> None:
@@ -247,6 +251,7 @@ def assert_jetspec_build_equals_cpu(emulated, case) -> None:
     assert_equal_outputs(torch.ops.vllm_ddtree.build_tree(*args), emulated.build_tree(*args))
 
 
+@pytest.mark.slow
 @settings(max_examples=1000, deadline=None)
 @given(case=jetspec_cases())
 def test_jetspec_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
@@ -257,6 +262,7 @@ def test_jetspec_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
     assert parallel + serial == case["num_reqs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [64, 256])
 @settings(max_examples=60, deadline=None)
 @given(case=jetspec_cases())

@@ -4,6 +4,7 @@ often guesses right, deep and off-chain acceptance happens and output stays loss
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -66,6 +67,27 @@ def attention_impls(llm, cls: type) -> list:
             if isinstance(getattr(m, "impl", None), cls)]
 
 
+_TARGET_ALONE: dict = {}
+
+
+def target_alone(key: tuple, run):
+    """What ``run()`` (the target alone, no speculation) returns for ``key``, run once per
+    test process: tests compare speculation against it in both scheduling modes and in
+    several tree configurations, and the target alone's output depends on neither."""
+    if key not in _TARGET_ALONE:
+        _TARGET_ALONE[key] = run()
+    return _TARGET_ALONE[key]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_models: Path) -> dict[tuple, str]:
+    """PROMPTS by their token ids, as the engine tokenizes them (the oracle drafter's key)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models / "target"))
+    return {tuple(tokenizer.encode(p)): p for p in PROMPTS}
+
+
 @pytest.fixture(scope="module")
 def baseline(tiny_models: Path) -> dict[str, list]:
     """The target alone (and vLLM's dflash chain), greedy: what ddtree must reproduce."""
@@ -75,6 +97,7 @@ def baseline(tiny_models: Path) -> dict[str, list]:
     return plain
 
 
+@pytest.mark.slow
 def test_dflash_chain_matches_the_target(tiny_models: Path, baseline) -> None:
     outputs, _ = generate(tiny_models, {"method": "dflash", "model": str(tiny_models / "drafter"),
                                         "num_speculative_tokens": 7})
@@ -82,10 +105,12 @@ def test_dflash_chain_matches_the_target(tiny_models: Path, baseline) -> None:
         p: t[:MAX_TOKENS] for p, t in baseline.items()}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("max_num_seqs", [1, 8])
-@pytest.mark.parametrize("spine", [True, False])
-@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+SMOKE = (16, True, 8)  # the fast tier's engine test (scripts/test.sh -m "not slow")
+
+
+@pytest.mark.parametrize("budget, spine, max_num_seqs", [
+    pytest.param(*case, marks=() if case == SMOKE else pytest.mark.slow)
+    for case in itertools.product([1, 4, 16, 64], [True, False], [1, 8])])
 def test_greedy_is_lossless(tiny_models: Path, baseline, budget, spine, max_num_seqs) -> None:
     spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": budget,
             "tree_spine": spine}
@@ -186,14 +211,10 @@ def oracle_for_target(pair: Path, monkeypatch, seed: int, prompts: list[str] = P
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spine", [True, False])
-def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline, monkeypatch,
-                                                    spine, scheduling) -> None:
+def test_trees_accept_deep_and_off_chain_losslessly(tiny_models: Path, baseline, prompt_ids,
+                                                    monkeypatch, spine, scheduling) -> None:
     from vllm_ddtree.runner import DDTreeProposer
 
-    _, llm = generate(tiny_models, None, max_tokens=1)
-    tokenizer = llm.get_tokenizer()
-    prompt_ids = {tuple(tokenizer.encode(p)): p for p in PROMPTS}
-    del llm
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=1))
     spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": 16,
@@ -318,13 +339,13 @@ def test_drafting_goes_on_beside_a_request_near_max_model_len(tiny_models: Path,
     last = max(i for i, step in enumerate(steps) if step["requests"] == 2)
     assert steps[last + 1]["requests"] == 1 and steps[-1]["drafted"], steps
     assert max(positions) < max_len
-    assert got == run(None)[0]
+    assert got == target_alone((tiny_models, "near max_model_len"), lambda: run(None)[0])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("busy", [12, 4, 0])
 def test_dynamic_speculative_decoding_cuts_trees_losslessly(
-        tiny_models: Path, baseline, monkeypatch, scheduling, busy) -> None:
+        tiny_models: Path, baseline, prompt_ids, monkeypatch, scheduling, busy) -> None:
     """vLLM's num_speculative_tokens_per_batch_size picks the tree's size per batch size:
     16 nodes for up to 5 scheduled requests, ``busy`` (12 or 4 nodes, or no drafts) for 6-8.
     Trees accepted deep and off the chain (the oracle drafter); output equals the target
@@ -332,9 +353,6 @@ def test_dynamic_speculative_decoding_cuts_trees_losslessly(
     from vllm_ddtree import ops
     from vllm_ddtree.runner import DDTreeProposer
 
-    _, llm = generate(tiny_models, None, max_tokens=1)
-    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
-    del llm
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=5))
     steps, asked, propose = verify_steps(monkeypatch), [], DDTreeProposer.propose
@@ -381,7 +399,7 @@ def test_dynamic_speculative_decoding_cuts_trees_losslessly(
 
 
 @pytest.mark.slow
-def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch,
+def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, prompt_ids, monkeypatch,
                                       scheduling) -> None:
     """Greedy, half the requests asking logprobs=3 (a quarter also prompt_logprobs=2), with
     trees accepted deep and off the chain (the oracle drafter): every emitted token's
@@ -398,17 +416,14 @@ def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch,
                                  logprobs=3 if i % 2 == 0 else None,
                                  prompt_logprobs=2 if i % 4 == 0 else None)
                   for i in range(len(PROMPTS))]
-        assert_scheduling(llm, scheduling)
         return llm.generate(PROMPTS, params, use_tqdm=False), llm
 
-    plain, llm = run(None)
-    tokenizer = llm.get_tokenizer()
-    prompt_ids = {tuple(tokenizer.encode(p)): p for p in PROMPTS}
-    del llm
+    plain = target_alone((tiny_models, "logprobs"), lambda: run(None)[0])
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=3))
     tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
                      "tree_budget": 16})
+    assert_scheduling(llm, scheduling)
     assert ddtree_state(llm).stats()["longest_accepted"] >= 3
     for i, (want_request, got_request) in enumerate(zip(plain, tree)):
         if i % 4 == 0:  # prompt logprobs come from the prefill, untouched by trees
@@ -431,7 +446,7 @@ def test_logprobs_are_the_targets_own(tiny_models: Path, baseline, monkeypatch,
 
 
 @pytest.mark.slow
-def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseline,
+def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseline, prompt_ids,
                                                        monkeypatch, scheduling) -> None:
     """Repetition / presence / frequency penalties, allowed_token_ids, min_tokens (with a
     stop token the target would choose 4th; with nearly every token a stop token) and
@@ -460,14 +475,11 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
     def run(spec: dict | None):
         llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
                   seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec)
-        assert_scheduling(llm, scheduling)
         outputs = llm.generate(PROMPTS, [params(i, p) for i, p in enumerate(PROMPTS)],
                                use_tqdm=False)
         return {o.prompt: [list(c.token_ids) for c in o.outputs] for o in outputs}, llm
 
-    plain, llm = run(None)
-    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
-    del llm
+    plain = target_alone((tiny_models, "logits processing"), lambda: run(None)[0])
     compared = [p for i, p in enumerate(PROMPTS) if i % 7 != 3]
     # The parameters change the continuations (the oracle shows the changed ones).
     assert sum(plain[p][0] != baseline[p][:MAX_TOKENS] for p in compared) > len(compared) // 2
@@ -480,6 +492,7 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
         {p: t[0] for p, t in plain.items()}, prompt_ids, seed=4))
     tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
                      "tree_budget": 16})
+    assert_scheduling(llm, scheduling)
     assert {p: tree[p] for p in compared} == {p: plain[p] for p in compared}
     for p in PROMPTS[3::7]:
         assert [len(t) for t in tree[p]] == [MAX_TOKENS, MAX_TOKENS]
@@ -490,8 +503,8 @@ def test_logits_processing_is_lossless_and_n_is_served(tiny_models: Path, baseli
 @pytest.mark.slow
 @pytest.mark.parametrize("spine", [False, True])
 @pytest.mark.parametrize("mixed", [True, False])
-def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed, spine,
-                                       scheduling) -> None:
+def test_structured_output_is_lossless(tiny_models: Path, prompt_ids, monkeypatch, mixed,
+                                       spine, scheduling) -> None:
     """Regex and JSON-schema requests, alone or batched with plain ones, the oracle drafter
     shown the constrained continuations, without the spine (nodes in index order are no
     chain: the greedy chain is written in) and with it (nodes 1..depth are that chain):
@@ -518,18 +531,16 @@ def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed, sp
     def run(spec: dict | None):
         llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
                   seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec)
-        assert_scheduling(llm, scheduling)
         outputs = llm.generate(PROMPTS, [params(i) for i in range(len(PROMPTS))],
                                use_tqdm=False)
         return {o.prompt: o.outputs[0] for o in outputs}, llm
 
-    plain, llm = run(None)
-    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
-    del llm
+    plain = target_alone((tiny_models, "structured", mixed), lambda: run(None)[0])
     monkeypatch.setattr(DDTreeProposer, "draft_logits", oracle_draft_logits(
         {p: list(o.token_ids) for p, o in plain.items()}, prompt_ids, seed=5))
     tree, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
                      "tree_budget": 16, "tree_spine": spine})
+    assert_scheduling(llm, scheduling)
     assert {p: list(o.token_ids) for p, o in tree.items()} == {
         p: list(o.token_ids) for p, o in plain.items()}
     for p in PROMPTS[0::2]:
@@ -541,7 +552,8 @@ def test_structured_output_is_lossless(tiny_models: Path, monkeypatch, mixed, sp
 
 
 @pytest.mark.slow
-def test_compiled_target_is_lossless(tiny_models: Path, baseline, monkeypatch) -> None:
+def test_compiled_target_is_lossless(tiny_models: Path, baseline, prompt_ids,
+                                     monkeypatch) -> None:
     """Without enforce_eager vLLM compiles the model with torch.compile, as it does by
     default on a GPU (the tests elsewhere run eager to save time): trees still accept deep
     and off the chain, and output is still the target's own."""
@@ -549,9 +561,6 @@ def test_compiled_target_is_lossless(tiny_models: Path, baseline, monkeypatch) -
 
     from vllm_ddtree.runner import DDTreeProposer
 
-    _, llm = generate(tiny_models, None, max_tokens=1)
-    prompt_ids = {tuple(llm.get_tokenizer().encode(p)): p for p in PROMPTS}
-    del llm
     monkeypatch.setattr(DDTreeProposer, "draft_logits",
                         oracle_draft_logits(baseline, prompt_ids, seed=7))
     llm = LLM(model=str(tiny_models / "target"), max_model_len=512, seed=0, dtype="float32",
@@ -774,7 +783,15 @@ def test_sampling_matches_the_target_distribution(tiny_models: Path, scheduling,
 def sampled(pair: Path, spec: dict | None, temperature: float, check=None, **engine
             ) -> list[list[int]]:
     """Three tokens (top-k 3) after "def main():" for each of 800 seeds, by a fresh engine
-    (``check`` sees it first)."""
+    (``check`` sees it first); the target alone's once per process."""
+    if spec is None:
+        return target_alone((pair, "sampled", temperature, *sorted(engine.items())),
+                            lambda: _sample(pair, None, temperature, None, engine))
+    return _sample(pair, spec, temperature, check, engine)
+
+
+def _sample(pair: Path, spec: dict | None, temperature: float, check, engine: dict
+            ) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
     settings = dict(enforce_eager=True, max_model_len=128, seed=0, dtype="float32",

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# One test worker starts the module's server for every test here (scripts/test.sh).
+pytestmark = pytest.mark.xdist_group("ddtree_serve")
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vllm_ddtree.upstream import pinned_version
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,6 +40,7 @@ def test_hadolint_passes() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_build_time_selfcheck_passes() -> None:
     result = subprocess.run([sys.executable, "-m", "vllm_ddtree.selfcheck"],
                             capture_output=True, text=True)

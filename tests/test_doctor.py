@@ -69,6 +69,7 @@ def test_all_ok_on_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fix:" not in out
 
 
+@pytest.mark.slow
 def test_selfcheck_module_runs_the_same_checks() -> None:
     done = subprocess.run([sys.executable, "-m", "vllm_ddtree.selfcheck"], capture_output=True,
                           text=True, timeout=300)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ddtree.upstream import WHEEL_CACHE
+from vllm_ddtree.upstream import WHEEL_CACHE, cache_lock
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -42,7 +42,8 @@ H200_PACKAGES = (
     "h11", "idna", "certifi", "click", "typer", "rich", "uvloop", "msgpack", "jinja2",
     "filelock", "fsspec", "packaging", "nvidia-ml-py",
 )
-pytestmark = pytest.mark.slow
+# One test worker builds the bundle and stages it for every test here (scripts/test.sh).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gpu_bundle_env")]
 
 
 def python312() -> str:
@@ -60,11 +61,13 @@ def h200_like_python() -> Path:
     key = hashlib.sha256("\n".join(H200_PACKAGES).encode()).hexdigest()[:12]
     venv = WHEEL_CACHE.parent / f"h200-like-py312-{key}"
     py = venv / "bin" / "python"
-    if not (venv / ".complete").is_file():
-        shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([python312(), "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", *H200_PACKAGES], check=True)
-        (venv / ".complete").write_text(key)
+    with cache_lock(venv.name):  # another test worker may be building it
+        if not (venv / ".complete").is_file():
+            shutil.rmtree(venv, ignore_errors=True)
+            subprocess.run([python312(), "-m", "venv", str(venv)], check=True)
+            subprocess.run([str(py), "-m", "pip", "install", "-q", *H200_PACKAGES],
+                           check=True)
+            (venv / ".complete").write_text(key)
     return py
 
 

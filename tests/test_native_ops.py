@@ -83,6 +83,7 @@ def test_plugin_entry_point_registers_ops_idempotently() -> None:
     assert vllm_ddtree._registered and hasattr(torch.ops.vllm_ddtree, "tree_positions")
 
 
+@pytest.mark.slow
 def test_every_cuda_source_compiles_with_nvcc() -> None:
     result = subprocess.run([sys.executable, str(REPO / "scripts/check_cuda_compile.py")],
                             capture_output=True, text=True)
@@ -152,6 +153,7 @@ def test_gpu_check_goes_on_after_a_failing_step(tmp_path: Path) -> None:
     assert all(line in files["gpu_check.log"].read_text() for line in summary)
 
 
+@pytest.mark.slow
 def test_gpu_check_ends_within_its_total_limit(tmp_path: Path) -> None:
     # A lent machine runs one command of limited time: under TOTAL_LIMIT_S the hung CUDA
     # tests get only what is left of the run (less the 15-s reserve), the steps after them

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sysconfig
 from pathlib import Path
 
 from vllm_ddtree.patching.installer import STATE_DIR
@@ -13,7 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 def fingerprint() -> dict[str, tuple[int, bytes]]:
     root = installed_vllm_root()
-    paths = [*REPO.glob("vllm_ddtree/_C*.so"), root / STATE_DIR / "state.json",
+    # This Python's native ops only: a parallel test builds another Python's beside them
+    # (tests/test_gpu_bundle_env.py).
+    native_ops = REPO / "vllm_ddtree" / f"_C{sysconfig.get_config_var('EXT_SUFFIX')}"
+    paths = [native_ops, root / STATE_DIR / "state.json",
              root / "vllm/config/speculative.py"]
     return {str(p): (p.stat().st_mtime_ns, p.read_bytes()) for p in paths}
 

@@ -54,6 +54,7 @@ def random_pair(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory, req
     return out, target, drafter, mask_id, recipe
 
 
+@pytest.mark.slow
 def test_drafter_and_target_match_vllm(random_pair, monkeypatch) -> None:
     from vllm import LLM, SamplingParams
 

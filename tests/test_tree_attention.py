@@ -101,6 +101,7 @@ def test_a_wrong_window_or_sink_is_caught(impl) -> None:
     assert (run(impl, batch, sliding_window=8).double() - want).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits, tile_n", [(2, 16), (4, 32), (8, 16)])
 def test_window_and_sinks_with_split_keys(splits, tile_n) -> None:
     # Splits share out the window's keys only; the sink enters one split's sum, once.
@@ -272,6 +273,7 @@ def test_cache_of_over_2_31_elements(impl) -> None:
     assert err <= TOLERANCE[torch.bfloat16], f"max abs error {err}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_the_largest_tree_matches_dense_reference(impl) -> None:
     # tree_budget 1024: 1,025 nodes, 33 mask words per node; a deep chain and a bushy tree
@@ -283,6 +285,7 @@ def test_the_largest_tree_matches_dense_reference(impl) -> None:
     assert err <= TOLERANCE[torch.float32], f"max abs error {err}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, context", [("qwen3-8b", 20), ("gpt-oss", 140)])
 def test_bench_tree_attention_runs(tmp_path, shape: str, context: int) -> None:
     # The GPU benchmark's code path, tiny, on the interpreter: a device run must not be the
@@ -304,6 +307,7 @@ def test_bench_tree_attention_runs(tmp_path, shape: str, context: int) -> None:
         assert len(row["configs_ms"]) == len(SWEPT_CONFIGS)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_and_blackwell() -> None:
     """The interpreter runs what the GPU compiler may reject: scripts/check_triton_compile.py
     compiles every kernel as the backend and the benchmark launch it, for sm_90 and sm_100,

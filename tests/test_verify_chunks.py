@@ -186,6 +186,7 @@ def test_chunked_logprobs_equal_one_chunk(chunk_rows, monkeypatch) -> None:
     assert float(logprobs[1 * (DEPTH + 1) + 2, 0]) == pytest.approx(float(want), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_verify_memory_is_bounded_by_the_chunk() -> None:
     """Peak extra resident memory of the node sampling path and the logprobs of a step of
     8,190 rows (Qwen3's sampling defaults, penalties on; scripts/verify_memory.py in a

@@ -5,12 +5,15 @@ The pin is written once, in ``patches/upstream-version``; everything reads it fr
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,20 +53,34 @@ def tree_version(root: Path) -> str:
     return match.group(1).split("+")[0]
 
 
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Holds ``<cache>/<name>.lock`` exclusively: one process at a time fills a cache entry
+    (parallel test workers, two set-ups at once); the others wait, then find it filled."""
+    WHEEL_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    with open(WHEEL_CACHE.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def fetch_wheel(version: str) -> Path:
     """The official CUDA wheel of a vLLM release, downloaded once into the cache."""
     WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-    found = sorted(WHEEL_CACHE.glob(f"vllm-{version}-*.whl"))
-    if found:
-        return found[0]
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-         "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
-         "--python-version", "3.12", "--implementation", "cp",
-         "--dest", str(WHEEL_CACHE), f"vllm=={version}"],
-        check=True,
-    )
-    found = sorted(WHEEL_CACHE.glob(f"vllm-{version}-*.whl"))
+    with cache_lock(f"wheel-{version}"):
+        found = sorted(WHEEL_CACHE.glob(f"vllm-{version}-*.whl"))
+        if found:
+            return found[0]
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
+             "--python-version", "3.12", "--implementation", "cp",
+             "--dest", str(WHEEL_CACHE), f"vllm=={version}"],
+            check=True,
+        )
+        found = sorted(WHEEL_CACHE.glob(f"vllm-{version}-*.whl"))
     if not found:
         raise RuntimeError(f"pip downloaded no wheel for vllm=={version}")
     return found[0]

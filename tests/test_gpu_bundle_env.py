@@ -42,8 +42,10 @@ H200_PACKAGES = (
     "h11", "idna", "certifi", "click", "typer", "rich", "uvloop", "msgpack", "jinja2",
     "filelock", "fsspec", "packaging", "nvidia-ml-py",
 )
-# One test worker builds the bundle and stages it for every test here (scripts/test.sh).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gpu_bundle_env")]
+# One test worker builds the bundle and stages it for every test here (scripts/test.sh),
+# first: eight minutes on a cold machine.
+pytestmark = [pytest.mark.slow, pytest.mark.scheduled_first,
+              pytest.mark.xdist_group("gpu_bundle_env")]
 
 
 def python312() -> str:

@@ -59,11 +59,8 @@ def cache_lock(name: str) -> Iterator[None]:
     (parallel test workers, two set-ups at once); the others wait, then find it filled."""
     WHEEL_CACHE.parent.mkdir(parents=True, exist_ok=True)
     with open(WHEEL_CACHE.parent / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # closing the file releases it
+        yield
 
 
 def fetch_wheel(version: str) -> Path:

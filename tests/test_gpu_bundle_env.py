@@ -311,3 +311,61 @@ def test_the_standin_takes_the_compiled_ops_place_and_covers_cuda_imports(
     real = run(h200_like_python, SCHEMAS, with_stub, "compiled", str(compiled) + ".failed")
     ours = run(h200_like_python, SCHEMAS, with_stub, "standin")
     assert json.loads(ours.stdout.splitlines()[-1]) == json.loads(real.stdout.splitlines()[-1])
+
+
+CONFIGURE_034 = FORCE_CUDA_PLATFORM + r"""
+import importlib, sys
+import torch
+from vllm.engine.arg_utils import EngineArgs
+pair = sys.argv[1]
+config = EngineArgs(model=pair + "/target", max_model_len=512, speculative_config={
+    "method": "dflash", "model": pair + "/drafter", "num_speculative_tokens": 15},
+    ).create_engine_config()
+for name in ("vllm._custom_ops", "vllm.model_executor.models.qwen3",
+             "vllm.model_executor.models.qwen3_dflash", "vllm.v1.worker.gpu.model_runner",
+             "vllm.v1.worker.gpu.spec_decode.dflash.speculator"):
+    importlib.import_module(name)
+torch.ops.load_library(sys.argv[2])  # FA3
+ops = [s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("_C::")]
+print(config.speculative_config.method, config.speculative_config.num_speculative_tokens,
+      config.parallel_config.worker_cls, len(ops) > 100, "_C::rms_norm" in ops)
+"""
+
+
+def test_vllm_034s_compiled_files_load_on_the_machines_torch(
+        h200_like_python: Path, tmp_path: Path) -> None:
+    """vLLM 0.34.0 as `gpu_bundle.py --vllm 0.34.0` carries it (unpacked here, not xz'd):
+    its _C_stable_libtorch and FA3 link no torch symbol outside the stable ABI, load on torch
+    2.11 (CUDA 13.0 build) with a stub libcuda, and vLLM configures dflash for Hopper and
+    imports V2's runner and DFlash speculator. Nothing runs a kernel: that is the GPU's."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_bundle
+
+    from vllm_ddtree.upstream import fetch_wheel
+
+    wheel = fetch_wheel("0.34.0")
+    site = gpu_bundle.unpack(wheel, gpu_bundle.fetch_dependencies(WHEEL_CACHE / "gpu-deps"),
+                             tmp_path / "site")
+    compiled = [site / member for member in gpu_bundle.COMPILED.values()]
+    for lib in compiled:
+        undefined = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], check=True,
+                                   capture_output=True, text=True).stdout.split()
+        assert not [s for s in undefined if s.startswith(("_ZN2at", "_ZN3c10", "_ZN5torch"))]
+    stub = tmp_path / "libcuda"
+    stub.mkdir()
+    names = set()
+    for lib in compiled:
+        listed = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], check=True,
+                                capture_output=True, text=True).stdout
+        names |= {w.split("@")[0] for w in listed.split() if w.startswith("cu")}
+    (stub / "stub.c").write_text("".join(f"int {n}(void) {{ return 999; }}\n"
+                                         for n in sorted(names)))
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(stub / "libcuda.so.1"),
+                    str(stub / "stub.c")], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",
+                                                             "VLLM_TARGET_DEVICE")}
+    env |= {"PYTHONPATH": str(site), "LD_LIBRARY_PATH": str(stub)}
+    done = run(h200_like_python, CONFIGURE_034, env, str(REPO / "models" / "tiny-pair"),
+               str(compiled[1]))
+    assert done.stdout.split()[-5:] == ["dflash", "15", "vllm.v1.worker.gpu_worker.Worker",
+                                        "True", "True"], done.stdout[-2000:]

@@ -17,7 +17,7 @@ import vllm.v1.worker.cpu.shm  # noqa: F401  (as the CPU worker: UVA buffers in 
 from kernel_harness import run_both
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker import utils as worker_utils
-from vllm.v1.worker.gpu import input_batch
+from vllm.v1.worker.gpu import block_table, input_batch
 from vllm.v1.worker.gpu.block_table import BlockTables
 from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
 from vllm.v1.worker.gpu.mm.rope import RopeState
@@ -239,10 +239,36 @@ def test_gather_block_tables(num_reqs: int, padded: int, dirty: int, groups: int
              num_blocks, block_sizes, reach, idx_mapping, padded, dirty, computed, outs)
 
 
+def gather_hidden(hidden, num_blocks, idx_mapping) -> None:
+    """A launch whose block tables (``hidden``: [src, dst] nested deeper than the PyTorch
+    version looks) no local or attribute near the launch site holds."""
+    def ptrs(i: int) -> torch.Tensor:
+        return torch.tensor([hidden[0][0][0][0][0][i].data_ptr()], dtype=torch.uint64)
+
+    stride = hidden[0][0][0][0][0][0].stride(0)
+    num_reqs = idx_mapping.shape[0]
+    zero = torch.zeros(1, dtype=torch.int32)
+    block_table._gather_block_tables_kernel[(1, num_reqs + 2)](
+        idx_mapping, ptrs(0), ptrs(1), torch.tensor([stride]), num_blocks,
+        num_blocks.stride(0), num_reqs, zero, zero, zero, MASK_SLIDING_WINDOW=False,
+        BLOCK_SIZE=1024)
+
+
+def test_gather_block_tables_unreachable() -> None:
+    # Without the tensors, the PyTorch version hands the launch back to Triton.
+    gen = torch.Generator().manual_seed(750)
+    hidden = [[[[[[rand(gen, 1, 100, 6, 5), rand(gen, -9, 0, 6, 5)]]]]]]
+    run_both(f"{BLOCK_TABLE}._gather_block_tables_kernel", gather_hidden, hidden,
+             rand(gen, 0, 6, 1, 6), torch.tensor([3, 0, 5], dtype=torch.int32),
+             fallback=True)
+
+
 def slot_mappings(tables, num_blocks, block_sizes, cp, enabled, sharded, idx_mapping,
                   query_start_loc, positions, num_tokens_padded, out):
     bt = block_tables(tables, [torch.zeros_like(t) for t in tables], num_blocks,
                       block_sizes, cp=cp, enabled=enabled, sharded=sharded)
+    # Twice: the second launch finds the block tables it resolved in the first (cached).
+    bt.compute_slot_mappings(idx_mapping, query_start_loc, positions, num_tokens_padded, out)
     return bt.compute_slot_mappings(idx_mapping, query_start_loc, positions,
                                     num_tokens_padded, out)
 

@@ -12,10 +12,11 @@ to Triton, which follows raw addresses itself.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def _ranges(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def _tdiv(a: torch.Tensor, b: Any) -> torch.Tensor:
-    # Integer division and remainder as in Triton (and C): rounded toward zero.
+    # Integer division as in Triton (and C): rounded toward zero (remainders: torch.fmod).
     return torch.div(a, b, rounding_mode="trunc")
 
 
@@ -72,23 +73,27 @@ def _holds(t: torch.Tensor, addr: int) -> bool:
     return storage.data_ptr() <= addr < storage.data_ptr() + storage.nbytes()
 
 
-def _children(value: Any) -> Iterator[Any]:
+def _children(value: Any) -> list[Any]:
+    """What ``value`` holds: a container's items, an object's attributes."""
     if isinstance(value, (list, tuple, set, frozenset)):
-        items = value
+        items: Any = value
     elif isinstance(value, dict):
         items = value.values()
     elif isinstance(value, (types.ModuleType, type, types.FunctionType, types.MethodType,
                             torch.nn.Module, str, bytes, int, float)) or value is None:
-        return  # (a model's parameters never hold a pointer table's targets)
+        return []  # (a model's parameters never hold a pointer table's targets)
     else:
         try:
-            items = vars(value).values()
-        except TypeError:
-            return
-    for i, item in enumerate(items):
-        if i == _MAX_ITEMS:
-            return
-        yield item
+            items = vars(value)
+        except Exception:  # noqa: BLE001  (no __dict__, or a proxy's __getattr__ failing)
+            return []
+        if not isinstance(items, dict):  # a proxy synthesising __dict__
+            return []
+        items = items.values()
+    try:
+        return list(itertools.islice(items, _MAX_ITEMS))
+    except RuntimeError:  # changed by another thread meanwhile
+        return []
 
 
 def _search_callers(addrs: set[int], device: torch.device) -> dict[int, torch.Tensor]:
@@ -97,15 +102,15 @@ def _search_callers(addrs: set[int], device: torch.device) -> dict[int, torch.Te
     table holds the tensors: ``BlockTables.block_tables``, the model runner's
     ``kv_caches``)."""
     found: dict[int, torch.Tensor] = {}
+    frames = []
     frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(
-            _SKIPPED_MODULES):
+    while frame is not None and len(frames) < _CALLER_FRAMES:
+        if not frame.f_globals.get("__name__", "").startswith(_SKIPPED_MODULES):
+            frames.append(frame)
         frame = frame.f_back
-    seen: set[int] = set()
-    for _ in range(_CALLER_FRAMES):
-        if frame is None:
-            break
+    for frame in frames:
         level = list(frame.f_locals.values())
+        seen: set[int] = set()  # (per frame: what one left unexpanded, another may need)
         for depth in range(_SEARCH_DEPTH + 1):
             following = []
             for value in level:
@@ -115,15 +120,17 @@ def _search_callers(addrs: set[int], device: torch.device) -> dict[int, torch.Te
                 if isinstance(value, torch.Tensor):
                     if value.device != device or value.is_meta:
                         continue
+                    storage = value.untyped_storage()
+                    low = storage.data_ptr()
+                    high = low + storage.nbytes()
                     for addr in addrs - found.keys():
-                        if _holds(value, addr):
+                        if low <= addr < high:
                             found[addr] = value
                     if len(found) == len(addrs):
                         return found
                 elif depth < _SEARCH_DEPTH:
                     following.extend(_children(value))
             level = following
-        frame = frame.f_back
     return found
 
 
@@ -572,8 +579,8 @@ def zero_kv_blocks(grid, seg_addrs_ptr, seg_block_strides_ptr, seg_page_sizes_pt
         page = min(page, num_chunks * BLOCK_SIZE)
         if page <= 0:
             continue
-        if offset % 4:
-            return FALLBACK
+        if offset % 4 or offset // 4 + page > storage.nbytes() // 4:
+            return FALLBACK  # (misaligned, or a page past its storage: Triton's to handle)
         storages[storage.data_ptr()] = storage
         starts.setdefault((storage.data_ptr(), page), []).append(
             offset // 4 + block_ids * stride)

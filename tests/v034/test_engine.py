@@ -12,6 +12,7 @@ import pytest
 import torch
 from engine_runs import REPO, VENV_032, generate, run_in
 
+COUNTS = ("tokens", "drafts", "draft_tokens", "accepted")
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,"]
 pytestmark = pytest.mark.slow
 
@@ -46,9 +47,12 @@ def test_dflash_is_lossless_with_the_acceptance_of_032() -> None:
     spec = generate(model, spec=dflash(pair), prompts=PROMPTS)
     assert spec["tokens"] == plain["tokens"]
     assert spec["drafts"] > 0 and spec["accepted"] > 0, spec
+    for run in (plain, spec):
+        assert (run["interpreted"], run["fallbacks"]) == ([], 0)
     interpreted = run_in(Path(sys.executable), env={"VLLM_DDTREE_TORCH_KERNELS": "0"},
                          model=model, spec=dflash(pair), prompts=PROMPTS)
-    assert interpreted == spec
+    assert interpreted["interpreted"], "VLLM_DDTREE_TORCH_KERNELS=0 interprets every kernel"
+    assert {k: interpreted[k] for k in COUNTS} == {k: spec[k] for k in COUNTS}
     before = run_in(VENV_032, model=model, spec=dflash(pair), prompts=PROMPTS)
     assert before["tokens"] == spec["tokens"]
     rate, rate_032 = (r["accepted"] / r["draft_tokens"] for r in (spec, before))
@@ -67,6 +71,7 @@ def test_sampling_keeps_the_target_distribution(tiny_models: Path) -> None:
     spec_run = generate(model, spec=dflash(tiny_models, k=2), **common)
     spec = spec_run["tokens"]
     assert spec_run["drafts"] > 0 and all(len(t) == 3 for t in spec)
+    assert (spec_run["interpreted"], spec_run["fallbacks"]) == ([], 0)
     for position in (1, 2):
         p = chi_square_p_value([t[position] for t in plain], [t[position] for t in spec])
         assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"

@@ -35,8 +35,14 @@ GPU_ONLY_REQUIREMENTS = frozenset({
 })
 # What the .pth file sets unless the user set it: the CPU platform (the wheel's version has
 # no "+cpu", which would turn Triton off), Triton kept on (vLLM checks for a GPU driver
-# unless CUDA_VISIBLE_DEVICES is set) and run by its interpreter.
-SETTINGS = {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+# unless CUDA_VISIBLE_DEVICES is set) and run by its interpreter, and a cache of its own:
+# vLLM caches what it learns of a model class per class name (modelinfos/), so 0.32 and 0.34
+# sharing ~/.cache/vllm overwrite each other's entries and each start after the other's
+# re-inspects the model in a subprocess (7 s here).
+SETTINGS = {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1",
+            "VLLM_CACHE_ROOT": os.path.join(
+                os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                f"vllm-{VLLM_VERSION}-cpu-standin")}
 PTH_NAME = "vllm_ddtree_cpu_standin.pth"
 # A GPU driver's files; VLLM_DDTREE_GPU_MARKERS (":"-separated) replaces them in tests.
 GPU_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")

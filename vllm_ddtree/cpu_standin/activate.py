@@ -6,6 +6,7 @@ right after each one is imported. On a machine with a GPU it sets nothing and re
 
 from __future__ import annotations
 
+import gc
 import importlib.abc
 import importlib.machinery
 import os
@@ -60,12 +61,22 @@ def _after_topk_topp(module: ModuleType) -> None:
 
 
 def _after_cpu_platform(module: ModuleType) -> None:
+    module.CpuPlatform.register_triton_kernel_overrides = classmethod(
+        lambda cls: _worker_starts())
+
+
+def _worker_starts() -> None:
+    """Called by every worker before its model loads."""
     from vllm_ddtree.cpu_standin import kernels
 
     # VLLM_DDTREE_TORCH_KERNELS=0 leaves every kernel to Triton's interpreter (to compare).
     if os.environ.get("VLLM_DDTREE_TORCH_KERNELS", "1") != "0":
-        module.CpuPlatform.register_triton_kernel_overrides = classmethod(
-            lambda cls: kernels.install())
+        kernels.install()
+    # vLLM collects garbage 8 times while a worker starts (its memory profiler, the model
+    # loader), each a pass over every object of the imported modules (0.3-0.4 s each here);
+    # it freezes them itself once started (freeze_gc_heap). Freezing them now, the modules
+    # all imported, makes start-up 1-2 s shorter and changes nothing else.
+    gc.freeze()
 
 
 HOOKS: dict[str, Callable[[ModuleType], None]] = {

@@ -83,6 +83,7 @@ def test_qwen3_next_bf16_equals_032(tiny_hybrid: Path) -> None:
     now = run_in(Path(sys.executable), **run)
     assert now["tokens"] == run_in(VENV_032, **run)["tokens"]
     assert all(len(t) == 24 for t in now["tokens"])
+    assert (now["interpreted"], now["fallbacks"]) == ([], 0)
 
 
 def test_gpt_oss_equals_032(tiny_models: Path, tmp_path: Path) -> None:

@@ -41,6 +41,9 @@ STEP_KERNELS = {
     # hybrid (Gated DeltaNet) targets
     "vllm.v1.worker.utils._zero_kv_blocks_kernel",
     "vllm.v1.worker.gpu.model_states.mamba_hybrid._scatter_num_accepted_kernel",
+    "vllm.v1.worker.mamba_utils.preprocess_mamba_align_fused_kernel",
+    "vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel",
+    "vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel",
 }
 
 

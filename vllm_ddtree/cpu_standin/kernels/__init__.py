@@ -9,7 +9,8 @@ interpreter (``interpreted`` lists them).
 
 One module a part of V2: ``inputs`` (input batch, block tables, buffers, hybrid state),
 ``sampling`` (temperature, Gumbel sampling, bias, penalties, logprobs), ``rejection``
-(DFlash's drafter inputs and the rejection sampler).
+(DFlash's drafter inputs and the rejection sampler), ``mamba`` (the hybrid models' prefix
+caching: running-state columns and state copies across block boundaries).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-MODULES = ("inputs", "sampling", "rejection")
+MODULES = ("inputs", "sampling", "rejection", "mamba")
 KERNELS: dict[str, TorchKernel] = {}
 # Returned by a PyTorch version for a launch it does not cover (a rarely used flag): the
 # Triton kernel runs instead, interpreted.

@@ -14,7 +14,6 @@ from engine_runs import REPO, VENV_032, generate, run_in
 
 COUNTS = ("tokens", "drafts", "draft_tokens", "accepted")
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,"]
-pytestmark = pytest.mark.slow
 
 
 def dflash(pair: Path, k: int = 7) -> dict:
@@ -22,6 +21,7 @@ def dflash(pair: Path, k: int = 7) -> dict:
 
 
 def test_target_equals_transformers_greedy(tiny_models: Path) -> None:
+    """Also the fast tier's smoke test of this environment (not marked slow)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = generate(str(tiny_models / "target"), prompts=PROMPTS, max_tokens=40)
@@ -35,6 +35,7 @@ def test_target_equals_transformers_greedy(tiny_models: Path) -> None:
         assert tokens == out[0, ids.shape[1]:].tolist(), prompt
 
 
+@pytest.mark.slow
 def test_dflash_is_lossless_with_the_acceptance_of_032() -> None:
     """The trained tiny pair (models/tiny-pair), whose drafter the target agrees with. The
     PyTorch kernels change nothing: the same drafts and acceptance as with every kernel in
@@ -59,6 +60,7 @@ def test_dflash_is_lossless_with_the_acceptance_of_032() -> None:
     assert abs(rate - rate_032) <= 0.05 * rate_032, (spec, before)
 
 
+@pytest.mark.slow
 def test_sampling_keeps_the_target_distribution(tiny_models: Path) -> None:
     """Temperature 1: the 2nd and 3rd generated tokens (the ones the chain drafts) are
     distributed as without speculation (chi-square p > 0.001, fixed seeds)."""
@@ -77,6 +79,7 @@ def test_sampling_keeps_the_target_distribution(tiny_models: Path) -> None:
         assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"
 
 
+@pytest.mark.slow
 def test_qwen3_next_bf16_equals_032(tiny_hybrid: Path) -> None:
     run = dict(model=str(tiny_hybrid / "target"), dtype="bfloat16", prompts=PROMPTS,
                max_tokens=24)
@@ -86,6 +89,7 @@ def test_qwen3_next_bf16_equals_032(tiny_hybrid: Path) -> None:
     assert (now["interpreted"], now["fallbacks"]) == ([], 0)
 
 
+@pytest.mark.slow
 def test_gpt_oss_equals_032(tiny_models: Path, tmp_path: Path) -> None:
     """Mixture-of-experts MLPs, attention sinks, a sliding window in every other layer."""
     from test_ddtree_engine import other_target_pair
@@ -94,3 +98,4 @@ def test_gpt_oss_equals_032(tiny_models: Path, tmp_path: Path) -> None:
     run = dict(model=str(pair / "target"), prompts=PROMPTS, max_tokens=24)
     now = run_in(Path(sys.executable), **run)
     assert now["tokens"] == run_in(VENV_032, **run)["tokens"]
+    assert (now["interpreted"], now["fallbacks"]) == ([], 0)

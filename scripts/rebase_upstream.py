@@ -9,10 +9,12 @@ new release (PyPI; nothing else is fetched), builds a git history in a work fold
 files with the series as commits on them, the new files, then each commit cherry-picked
 onto the new files: a 3-way merge)
 and reports each patch: applied cleanly, applied at an offset, merged by 3-way, already
-upstream (droppable), or conflict (files and hunks). On success it rewrites the patch files
-(headers kept, diffs regenerated), drops the droppable ones from `series` and moves the pin.
-On a conflict it exits non-zero and leaves patches/ and the pin untouched, and the work
-folder mid-cherry-pick for a person to resolve, with the commands to continue.
+upstream (droppable), conflict (files and hunks), or its file removed upstream. On success
+it rewrites the patch files (headers kept, diffs regenerated), drops the droppable ones from
+`series` and moves the pin. On a conflict it exits non-zero and leaves patches/ and the pin
+untouched, and the work folder mid-cherry-pick for a person to resolve, with the commands to
+continue; the patches after the conflict are still tried, in a scratch copy of the work
+folder (the conflicting one left out), so one run reports every patch's fate.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -67,6 +70,9 @@ def write_tree(work: Path, files: dict[str, bytes | None]) -> None:
 
 def classify(patch, files: dict[str, bytes | None]) -> tuple[str, str]:
     """How a patch fits the new files, by the series tool's own applier."""
+    removed = [fd.path for fd in patch.files if not fd.creates and files.get(fd.path) is None]
+    if removed:
+        return "file removed upstream", ", ".join(removed)
     offsets: list[int] = []
     try:
         for fd in patch.files:
@@ -105,32 +111,64 @@ def regenerate(work: Path, series_dir: Path, results: list[dict], new_version: s
 
 
 def report(results: list[dict], old: str, new: str) -> str:
-    rows = [f"| {r['name']} | {r['result']} | {r['detail']} |" for r in results]
+    rows = [f"| {r['name']} | {r['result']}{' (surveyed)' if r.get('surveyed') else ''} "
+            f"| {r['detail']} |" for r in results]
+    notes = []
+    if any(r.get("surveyed") for r in results):
+        notes = ["", "(surveyed): tried past the first conflict, without the patches that "
+                 "conflicted; carried only once those are resolved."]
     return "\n".join([f"Patch series carried from vLLM {old} to {new}:", "",
-                      "| patch | result | detail |", "|---|---|---|", *rows])
+                      "| patch | result | detail |", "|---|---|---|", *rows, *notes])
+
+
+def pick(work: Path, patch, commit: str, new_files: dict) -> dict:
+    """Cherry-picks one commit in ``work``; its result, "conflict" leaving the pick in
+    progress. ``new_files`` follows what was carried, for the next patch's classification."""
+    kind, detail = classify(patch, new_files)
+    if kind != "droppable":
+        applied = git(work, "cherry-pick", commit, check=False)
+        if applied.returncode != 0:
+            unmerged = git(work, "diff", "--name-only", "--diff-filter=U").stdout.split()
+            if kind != "file removed upstream":
+                kind, detail = "conflict", f"{detail}; files: {', '.join(unmerged) or '?'}"
+        else:
+            kind = "merged by 3-way" if kind == "needs 3-way" else kind
+            for fd in patch.files:
+                path = work / fd.path
+                new_files[fd.path] = path.read_bytes() if path.is_file() else None
+    say(f"{patch.name}: {kind}{' (' + detail + ')' if detail else ''}")
+    return {"name": patch.name, "result": kind, "detail": detail}
+
+
+STOPS = ("conflict", "file removed upstream")  # the fates that need a person
 
 
 def carry(work: Path, patches, start: int, results: list[dict], new_files: dict) -> bool:
     """Cherry-pick the series' commits [start:] onto the new files; False at a conflict."""
     commits = git(work, "rev-list", "--reverse", "upstream-old..series-old").stdout.split()
     for patch, commit in list(zip(patches, commits))[start:]:
-        kind, detail = classify(patch, new_files)
-        say(f"{patch.name}: {kind}{' (' + detail + ')' if detail else ''}")
-        if kind == "droppable":
-            results.append({"name": patch.name, "result": kind, "detail": detail})
-            continue
-        applied = git(work, "cherry-pick", commit, check=False)
-        if applied.returncode != 0:
-            unmerged = git(work, "diff", "--name-only", "--diff-filter=U").stdout.split()
-            results.append({"name": patch.name, "result": "conflict",
-                            "detail": f"{detail}; files: {', '.join(unmerged) or '?'}"})
+        results.append(pick(work, patch, commit, new_files))
+        if results[-1]["result"] in STOPS:
             return False
-        result = "merged by 3-way" if kind == "needs 3-way" else kind
-        results.append({"name": patch.name, "result": result, "detail": detail})
-        for fd in patch.files:  # the carried files, for the next patch's classification
-            path = work / fd.path
-            new_files[fd.path] = path.read_bytes() if path.is_file() else None
     return True
+
+
+def survey(work: Path, patches, start: int, new_files: dict) -> list[dict]:
+    """The fates of the series' commits [start:] past a conflict: each tried in a scratch
+    worktree at the last carried commit, left out where it conflicts."""
+    commits = git(work, "rev-list", "--reverse", "upstream-old..series-old").stdout.split()
+    scratch = Path(tempfile.mkdtemp(prefix="rebase-survey-")) / "tree"
+    git(work, "worktree", "add", "-q", "--detach", str(scratch), "HEAD")
+    try:
+        fates = []
+        for patch, commit in list(zip(patches, commits))[start:]:
+            fates.append(pick(scratch, patch, commit, new_files) | {"surveyed": True})
+            if fates[-1]["result"] in STOPS:
+                git(scratch, "cherry-pick", "--abort", check=False)
+        return fates
+    finally:
+        git(work, "worktree", "remove", "--force", str(scratch), check=False)
+        shutil.rmtree(scratch.parent, ignore_errors=True)
 
 
 def main() -> int:
@@ -188,9 +226,11 @@ def main() -> int:
         git(work, "checkout", "-q", "-b", "series")
         results, start = [], 0
 
-    ok = carry(work, patches, start, results, dict(new_files))
+    carried_files = dict(new_files)
+    ok = carry(work, patches, start, results, carried_files)
     state_file.write_text(json.dumps({"results": results}))
-    text = report(results, old, args.to)
+    fates = [] if ok else survey(work, patches, len(results), carried_files)
+    text = report(results + fates, old, args.to)
     print(text)
     if args.report:
         args.report.write_text(text + "\n")

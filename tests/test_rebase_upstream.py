@@ -118,3 +118,41 @@ def test_change_already_upstream_is_dropped(tmp_path: Path) -> None:
     assert "| 0002-b.patch | droppable |" in result.stdout
     assert (patches / "series").read_text() == "0001-a.patch\n"
     assert not (patches / "0002-b.patch").exists()
+
+
+def test_patches_past_a_conflict_are_still_reported(tmp_path: Path) -> None:
+    clash_a = {**OLD, "vllm/a.py": OLD["vllm/a.py"].replace("line 10\n", "line ten\n"),
+               "vllm/b.py": "x = 1\ny = 3\n"}
+    patches, args = setup(tmp_path, clash_a)
+    before = snapshot(patches)
+    result = run(args)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "| 0001-a.patch | conflict |" in result.stdout
+    # The second patch's fate, without the first: its change is upstream already.
+    assert "| 0002-b.patch | droppable (surveyed) |" in result.stdout
+    assert snapshot(patches) == before
+    work = tmp_path / "work"
+    assert "<<<<<<<" in (work / "vllm/a.py").read_text()  # the first conflict left to resolve
+    listed = subprocess.run(["git", "worktree", "list"], cwd=work, capture_output=True,
+                            text=True, check=True).stdout
+    assert len(listed.splitlines()) == 1  # the scratch copy is gone
+
+
+def test_a_patch_whose_file_upstream_removed_is_named(tmp_path: Path) -> None:
+    patches, args = setup(tmp_path, {"vllm/a.py": OLD["vllm/a.py"]})
+    before = snapshot(patches)
+    result = run(args)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "| 0001-a.patch | clean |" in result.stdout
+    assert "| 0002-b.patch | file removed upstream | vllm/b.py |" in result.stdout
+    assert snapshot(patches) == before
+
+
+def test_every_fate_past_the_first_conflict(tmp_path: Path) -> None:
+    """The first patch conflicts; the second's file is gone: both reported in one run."""
+    gone_b = {"vllm/a.py": OLD["vllm/a.py"].replace("line 11\n", "line eleven\n")}
+    patches, args = setup(tmp_path, gone_b)
+    result = run(args)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "| 0001-a.patch | conflict |" in result.stdout
+    assert "| 0002-b.patch | file removed upstream (surveyed) | vllm/b.py |" in result.stdout

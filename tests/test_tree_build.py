@@ -397,3 +397,17 @@ def test_jetspec_build_rejects_bad_widths_by_name(widths, message) -> None:
     logprobs, ids = torch.zeros(2, 4, 4), torch.zeros(2, 4, 4, dtype=torch.int64)
     with pytest.raises(RuntimeError, match=message):
         ops.build_tree(torch.zeros(2, dtype=torch.int64), logprobs, ids, 8, widths=widths)
+
+
+def test_ranked_topk_needs_nothing_of_tree_and_takes_every_budget() -> None:
+    """No import cycle: tree.topk_ranked calls ranked_topk, which imports nothing of tree;
+    and ranked_topk takes k up to the largest budget, so no budget leaves the kernel path."""
+    import subprocess
+    import sys
+
+    from vllm_ddtree import ranked_topk
+
+    code = ("import sys, vllm_ddtree.ranked_topk; "
+            "sys.exit('vllm_ddtree.tree' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+    assert MAX_BUDGET <= ranked_topk.MAX_K

@@ -28,8 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.tree import MAX_BUDGET
-
+# The largest k: its keys are kept and sorted in blocks of up to this many (and tree.py's
+# builder takes no larger budget). Its own constant, so that it needs nothing of tree.py,
+# which calls it.
+MAX_K = 1024
 BLOCK = 1024  # vocabulary entries per loop step (fewer for a vocabulary under 1024)
 MAX_SPLITS = 32  # programs a row is split over at most
 PROGRAMS_PER_SM = 2  # auto_splits fills the GPU to this many programs per multiprocessor
@@ -169,13 +171,13 @@ def auto_splits(rows: int, vocab: int, device: torch.device) -> int:
 def ranked_topk(logits: torch.Tensor, k: int,
                 splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` [..., V] (any float dtype, last dim contiguous) → the top ``k`` (at most
-    V and MAX_BUDGET) as (float32 log-probs, int64 ids) [..., k], log-prob descending and equal
+    V and MAX_K) as (float32 log-probs, int64 ids) [..., k], log-prob descending and equal
     log-probs by id. ``splits``: programs per row (default auto_splits)."""
     if logits.stride(-1) != 1:
         raise ValueError("ranked_topk: argument 'logits' must be contiguous in its last dim")
     vocab = logits.shape[-1]
-    if not 0 <= k <= min(vocab, MAX_BUDGET):
-        raise ValueError(f"ranked_topk: argument 'k' must be in [0, min(vocab, {MAX_BUDGET})],"
+    if not 0 <= k <= min(vocab, MAX_K):
+        raise ValueError(f"ranked_topk: argument 'k' must be in [0, min(vocab, {MAX_K})],"
                          f" got {k} for vocab {vocab}")
     rows = logits.reshape(-1, vocab)
     out_logprobs = torch.empty(*logits.shape[:-1], k, dtype=torch.float32, device=logits.device)

@@ -86,10 +86,11 @@ def topk_ranked(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     with no host sync. Which of several tokens tied exactly at the k-th value make the cut
     is torch.topk's choice on CPU; on CUDA the lowest ids.
     """
-    if logits.device.type in RANKING_KERNEL_DEVICES and k <= MAX_BUDGET:  # its sorts' size
-        from vllm_ddtree.ranked_topk import ranked_topk
+    if logits.device.type in RANKING_KERNEL_DEVICES:
+        from vllm_ddtree.ranked_topk import MAX_K, ranked_topk  # Triton: loaded only here
 
-        return ranked_topk(logits.contiguous(), k)
+        if k <= MAX_K:
+            return ranked_topk(logits.contiguous(), k)
     ids = torch.topk(logits, k, dim=-1).indices  # the same tokens as log-softmax's top-k
     return rank_by_logprob(logits, ids)
 

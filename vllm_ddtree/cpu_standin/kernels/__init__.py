@@ -20,6 +20,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 MODULES = ("inputs", "sampling", "rejection", "mamba")
 KERNELS: dict[str, TorchKernel] = {}
 # Returned by a PyTorch version for a launch it does not cover (a rarely used flag): the
@@ -28,6 +30,22 @@ FALLBACK = object()
 # Triton's launch options, which launch sites may pass beside the kernel's arguments.
 LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl",
                             "enable_fp_fusion", "grid"})
+
+
+def pointer(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a kernel's pointer sees it: a 1-D view from its first element to the end of
+    its storage."""
+    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return t.as_strided((n,), (1,))
+
+
+def ranges(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For rows of ``lens[i]`` (>= 0) elements each, flattened: (row, index within row) of
+    every element, and their number."""
+    total = int(lens.sum()) if lens.numel() else 0
+    row = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=total)
+    first = torch.cumsum(lens, 0) - lens
+    return row, torch.arange(total) - first[row], total
 
 
 class TorchKernel:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_ddtree.cpu_standin.kernels import FALLBACK, torch_kernel
+from vllm_ddtree.cpu_standin.kernels import FALLBACK, pointer, ranges, torch_kernel
 
 INPUT_BATCH = "vllm.v1.worker.gpu.input_batch"
 BLOCK_TABLE = "vllm.v1.worker.gpu.block_table"
@@ -34,24 +34,8 @@ MAMBA_HYBRID = "vllm.v1.worker.gpu.model_states.mamba_hybrid"
 # ----------------------------------------------------------------------------- helpers
 
 
-def _ptr(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a kernel sees it: a pointer to its first element, i.e. a 1-D view from
-    there to the end of its storage."""
-    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    return t.as_strided((n,), (1,))
-
-
 def _query_lens(query_start_loc: torch.Tensor, num_reqs: int) -> torch.Tensor:
     return (query_start_loc[1:num_reqs + 1] - query_start_loc[:num_reqs]).long()
-
-
-def _ranges(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """For rows of ``lens[i]`` (>= 0) elements each, flattened: (row, index within row) of
-    every element, and their number."""
-    total = int(lens.sum()) if lens.numel() else 0
-    row = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=total)
-    first = torch.cumsum(lens, 0) - lens
-    return row, torch.arange(total) - first[row], total
 
 
 def _tdiv(a: torch.Tensor, b: Any) -> torch.Tensor:
@@ -210,22 +194,22 @@ def prepare_prefill_inputs(grid, input_ids_ptr, next_prefill_tokens_ptr,
                            prefill_lens_ptr, num_computed_tokens_ptr, BLOCK_SIZE=None,
                            LOOKAHEAD_BLOCK=None) -> None:
     num_reqs = grid[0]
-    req = _ptr(idx_mapping_ptr)[:num_reqs].long()
-    prefill_len = _ptr(prefill_lens_ptr)[req].long()
-    computed = _ptr(num_computed_tokens_ptr)[req].long()
+    req = pointer(idx_mapping_ptr)[:num_reqs].long()
+    prefill_len = pointer(prefill_lens_ptr)[req].long()
+    computed = pointer(num_computed_tokens_ptr)[req].long()
     # Only requests still in their prefill: the others' inputs come from sampling.
     rows = (computed < prefill_len).nonzero().squeeze(1)
     if not rows.numel():
         return
     req, prefill_len, computed = req[rows], prefill_len[rows], computed[rows]
-    query_start_loc = _ptr(query_start_loc_ptr)
+    query_start_loc = pointer(query_start_loc_ptr)
     starts = query_start_loc[rows].long()
     query_lens = query_start_loc[rows + 1].long() - starts
-    all_token_ids = _ptr(all_token_ids_ptr)
+    all_token_ids = pointer(all_token_ids_ptr)
     row_start = req * all_token_ids_stride
-    k, j, total = _ranges(query_lens.clamp(min=0))
+    k, j, total = ranges(query_lens.clamp(min=0))
     if total:
-        input_ids = _ptr(input_ids_ptr)
+        input_ids = pointer(input_ids_ptr)
         tokens = all_token_ids[row_start[k] + computed[k] + j]
         input_ids[starts[k] + j] = tokens.to(input_ids.dtype)
     if num_lookahead > 0:
@@ -235,7 +219,7 @@ def prepare_prefill_inputs(grid, input_ids_ptr, next_prefill_tokens_ptr,
         valid = pos < prefill_len[:, None]
         src = torch.where(valid, row_start[:, None] + pos, 0)
         tokens = torch.where(valid, all_token_ids[src], 0)
-        out = _ptr(next_prefill_tokens_ptr)
+        out = pointer(next_prefill_tokens_ptr)
         out[lookahead * next_prefill_tokens_stride + req[:, None]] = tokens.to(out.dtype)
 
 
@@ -249,34 +233,34 @@ def combine_sampled_and_draft_tokens(grid, input_ids_ptr, idx_mapping_ptr,
     num_reqs = grid[0]
     if not num_reqs:
         return
-    req = _ptr(idx_mapping_ptr)[:num_reqs].long()
-    cu_num_logits = _ptr(cu_num_logits_ptr)[:num_reqs + 1].long()
+    req = pointer(idx_mapping_ptr)[:num_reqs].long()
+    cu_num_logits = pointer(cu_num_logits_ptr)[:num_reqs + 1].long()
     logits_offset = cu_num_logits[:-1]
     num_logits = cu_num_logits[1:] - logits_offset
-    query_end = _ptr(query_start_loc_ptr)[1:num_reqs + 1].long()
+    query_end = pointer(query_start_loc_ptr)[1:num_reqs + 1].long()
     logits_start = query_end - num_logits
 
     # The last num_logits tokens of each query are sampled from (at most BLOCK_SIZE).
-    k, j, total = _ranges(num_logits.clamp(0, BLOCK_SIZE))
+    k, j, total = ranges(num_logits.clamp(0, BLOCK_SIZE))
     if total:
-        logits_indices = _ptr(logits_indices_ptr)
+        logits_indices = pointer(logits_indices_ptr)
         logits_indices[logits_offset[k] + j] = (logits_start[k] + j).to(logits_indices.dtype)
 
-    seq_lens = _ptr(seq_lens_ptr)[:num_reqs].long()
-    prefill_len = _ptr(prefill_len_ptr)[req].long()
+    seq_lens = pointer(seq_lens_ptr)[:num_reqs].long()
+    prefill_len = pointer(prefill_len_ptr)[req].long()
     # Requests whose sequence stays inside the prompt (chunked prefill) keep their inputs.
     decoding = seq_lens > prefill_len
-    input_ids = _ptr(input_ids_ptr)
+    input_ids = pointer(input_ids_ptr)
     if NUM_NEW_SAMPLED_TOKENS > 0:
         # The last sampled token goes first unless that slot still holds a prompt token.
         rows = (decoding & (seq_lens - num_logits >= prefill_len)).nonzero().squeeze(1)
         if rows.numel():
-            last = _ptr(last_sampled_tokens_ptr)[req[rows]]
+            last = pointer(last_sampled_tokens_ptr)[req[rows]]
             input_ids[logits_start[rows]] = last.to(input_ids.dtype)
     num_draft = num_logits - NUM_NEW_SAMPLED_TOKENS
-    k, j, total = _ranges(torch.where(decoding, num_draft.clamp(0, BLOCK_SIZE), 0))
+    k, j, total = ranges(torch.where(decoding, num_draft.clamp(0, BLOCK_SIZE), 0))
     if total:
-        drafts = _ptr(draft_tokens_ptr)[req[k] * draft_tokens_stride + j]
+        drafts = pointer(draft_tokens_ptr)[req[k] * draft_tokens_stride + j]
         input_ids[query_end[k] - num_draft[k] + j] = drafts.to(input_ids.dtype)
 
 
@@ -286,13 +270,13 @@ def get_num_sampled_and_rejected(grid, num_sampled_ptr, num_rejected_ptr, seq_le
     num_reqs = grid[0]
     if not num_reqs:
         return
-    req = _ptr(idx_mapping_ptr)[:num_reqs].long()
+    req = pointer(idx_mapping_ptr)[:num_reqs].long()
     # Chunked prefills sample nothing and reject nothing.
-    chunked = _ptr(seq_lens_ptr)[:num_reqs] < _ptr(prefill_len_ptr)[req]
-    num_sampled = _ptr(num_sampled_ptr)[:num_reqs]
-    cu_num_logits = _ptr(cu_num_logits_ptr)[:num_reqs + 1]
+    chunked = pointer(seq_lens_ptr)[:num_reqs] < pointer(prefill_len_ptr)[req]
+    num_sampled = pointer(num_sampled_ptr)[:num_reqs]
+    cu_num_logits = pointer(cu_num_logits_ptr)[:num_reqs + 1]
     num_logits = cu_num_logits[1:] - cu_num_logits[:-1]
-    num_rejected = _ptr(num_rejected_ptr)
+    num_rejected = pointer(num_rejected_ptr)
     num_rejected[:num_reqs] = (num_logits - num_sampled).masked_fill(chunked, 0).to(
         num_rejected.dtype)
     num_sampled.masked_fill_(chunked, 0)
@@ -305,7 +289,7 @@ def post_update(grid, idx_mapping_ptr, num_computed_tokens_ptr, last_sampled_tok
                 query_start_loc_ptr, all_token_ids_ptr, all_token_ids_stride, total_len_ptr,
                 draft_tokens_ptr, draft_tokens_out_ptr, num_draft_tokens) -> None:
     num_reqs = grid[0]
-    req = _ptr(idx_mapping_ptr)[:num_reqs].long()
+    req = pointer(idx_mapping_ptr)[:num_reqs].long()
     # Rows with a negative request index are skipped (filtered under pipeline parallelism).
     rows = (req >= 0).nonzero().squeeze(1)
     if not rows.numel():
@@ -314,39 +298,39 @@ def post_update(grid, idx_mapping_ptr, num_computed_tokens_ptr, last_sampled_tok
 
     if draft_tokens_ptr is not None and num_draft_tokens > 0:
         j = torch.arange(num_draft_tokens)
-        drafts = _ptr(draft_tokens_ptr)[rows[:, None] * num_draft_tokens + j]
-        out = _ptr(draft_tokens_out_ptr)
+        drafts = pointer(draft_tokens_ptr)[rows[:, None] * num_draft_tokens + j]
+        out = pointer(draft_tokens_out_ptr)
         out[req[:, None] * num_draft_tokens + j] = drafts.to(out.dtype)
 
-    total_len = _ptr(total_len_ptr)
+    total_len = pointer(total_len_ptr)
     old_len = total_len[req].long()
-    num_sampled = _ptr(num_sampled_ptr)[rows].long()
-    sampled = _ptr(sampled_tokens_ptr)
+    num_sampled = pointer(num_sampled_ptr)[rows].long()
+    sampled = pointer(sampled_tokens_ptr)
     row_start = rows * sampled_tokens_stride
     has = (num_sampled > 0).nonzero().squeeze(1)
     if has.numel():
-        last_sampled = _ptr(last_sampled_tokens_ptr)
+        last_sampled = pointer(last_sampled_tokens_ptr)
         last = sampled[row_start[has] + num_sampled[has] - 1]
         last_sampled[req[has]] = last.to(last_sampled.dtype)
         total_len[req[has]] = (old_len[has] + num_sampled[has]).to(total_len.dtype)
         # Every sampled token is appended to the request's token ids (and counted).
-        k, i, total = _ranges(num_sampled.clamp(min=0))
+        k, i, total = ranges(num_sampled.clamp(min=0))
         tokens = sampled[row_start[k] + i]
-        all_token_ids = _ptr(all_token_ids_ptr)
+        all_token_ids = pointer(all_token_ids_ptr)
         all_token_ids[req[k] * all_token_ids_stride + old_len[k] + i] = tokens.to(
             all_token_ids.dtype)
         if output_bin_counts_ptr is not None:
-            counts = _ptr(output_bin_counts_ptr)
+            counts = pointer(output_bin_counts_ptr)
             index = req[k] * output_bin_counts_stride + tokens.long()
             counts.index_put_((index,), torch.ones((), dtype=counts.dtype), accumulate=True)
 
     if query_start_loc_ptr is None:
         query_lens = torch.zeros_like(rows)
     else:
-        query_start_loc = _ptr(query_start_loc_ptr)
+        query_start_loc = pointer(query_start_loc_ptr)
         query_lens = query_start_loc[rows + 1].long() - query_start_loc[rows].long()
-    delta = query_lens - _ptr(num_rejected_ptr)[rows].long()
-    num_computed = _ptr(num_computed_tokens_ptr)
+    delta = query_lens - pointer(num_rejected_ptr)[rows].long()
+    num_computed = pointer(num_computed_tokens_ptr)
     num_computed.index_add_(0, req, delta.to(num_computed.dtype))
 
 
@@ -354,13 +338,13 @@ def post_update(grid, idx_mapping_ptr, num_computed_tokens_ptr, last_sampled_tok
 def post_update_num_computed_tokens(grid, idx_mapping_ptr, num_computed_tokens_ptr,
                                     query_start_loc_ptr) -> None:
     num_reqs = grid[0]
-    req = _ptr(idx_mapping_ptr)[:num_reqs].long()
+    req = pointer(idx_mapping_ptr)[:num_reqs].long()
     if not num_reqs:
         return
     if bool((req < 0).any()):
         return FALLBACK  # the kernel has no guard: it writes before the tensor
-    num_computed = _ptr(num_computed_tokens_ptr)
-    query_lens = _query_lens(_ptr(query_start_loc_ptr), num_reqs)
+    num_computed = pointer(num_computed_tokens_ptr)
+    query_lens = _query_lens(pointer(query_start_loc_ptr), num_reqs)
     num_computed.index_add_(0, req, query_lens.to(num_computed.dtype))
 
 
@@ -370,13 +354,13 @@ def expand_idx_mapping(grid, idx_mapping_ptr, expanded_idx_mapping_ptr,
     num_reqs = grid[0]
     if not num_reqs:
         return
-    cu_num_logits = _ptr(cu_num_logits_ptr)[:num_reqs + 1].long()
+    cu_num_logits = pointer(cu_num_logits_ptr)[:num_reqs + 1].long()
     starts = cu_num_logits[:-1]
-    k, j, total = _ranges((cu_num_logits[1:] - starts).clamp(0, BLOCK_SIZE))
+    k, j, total = ranges((cu_num_logits[1:] - starts).clamp(0, BLOCK_SIZE))
     if total:
-        expanded = _ptr(expanded_idx_mapping_ptr)
-        local_pos = _ptr(expanded_local_pos_ptr)
-        expanded[starts[k] + j] = _ptr(idx_mapping_ptr)[k].to(expanded.dtype)
+        expanded = pointer(expanded_idx_mapping_ptr)
+        local_pos = pointer(expanded_local_pos_ptr)
+        expanded[starts[k] + j] = pointer(idx_mapping_ptr)[k].to(expanded.dtype)
         local_pos[starts[k] + j] = j.to(local_pos.dtype)
 
 
@@ -398,12 +382,12 @@ def gather_block_tables(grid, batch_idx_to_req_idx, src_block_table_ptrs,
         return FALLBACK
     strides = block_table_strides[:num_groups].tolist()
     num_gathered = min(num_reqs, num_rows)
-    req = _ptr(batch_idx_to_req_idx)[:num_gathered].long()
-    num_blocks_all = _ptr(num_blocks_ptr)
+    req = pointer(batch_idx_to_req_idx)[:num_gathered].long()
+    num_blocks_all = pointer(num_blocks_ptr)
     if MASK_SLIDING_WINDOW:
-        first_pos = _ptr(num_computed_tokens_ptr)[req].long()
-        reach = _ptr(sliding_window_reach_ptr)[:num_groups].tolist()
-        block_sizes = _ptr(block_sizes_ptr)[:num_groups].tolist()
+        first_pos = pointer(num_computed_tokens_ptr)[req].long()
+        reach = pointer(sliding_window_reach_ptr)[:num_groups].tolist()
+        block_sizes = pointer(block_sizes_ptr)[:num_groups].tolist()
     for g in range(num_groups):
         stride = strides[g]
         dst = dsts[g][:num_rows * stride].view(num_rows, stride)
@@ -436,24 +420,24 @@ def compute_slot_mappings(grid, max_num_tokens, idx_mapping, query_start_loc, po
     num_reqs = num_programs - 1
     if not num_groups or num_reqs < 0:
         return None
-    query_start_loc = _ptr(query_start_loc)[:num_reqs + 1].long()
+    query_start_loc = pointer(query_start_loc)[:num_reqs + 1].long()
     num_tokens = int(query_start_loc[-1])
-    k, j, total = _ranges(query_start_loc[1:] - query_start_loc[:-1])
+    k, j, total = ranges(query_start_loc[1:] - query_start_loc[:-1])
     tables = None
     if total:
         tables = _int32_pointers(block_table_ptrs, num_groups)
         if tables is None:
             return FALLBACK
         tokens = query_start_loc[k] + j
-        req = _ptr(idx_mapping)[k].long()
+        req = pointer(idx_mapping)[k].long()
         # idx_mapping -1: a dummy (padding) request without blocks, PAD for its tokens.
         real = req >= 0
-        positions = _ptr(pos)[tokens]
+        positions = pointer(pos)[tokens]
     strides = block_table_strides[:num_groups].tolist()
     sizes = block_sizes[:num_groups].tolist()
     enabled = slot_mapping_enabled[:num_groups].tolist()
     sharded = dcp_sharded[:num_groups].tolist()
-    slot_mappings = _ptr(slot_mappings_ptr)
+    slot_mappings = pointer(slot_mappings_ptr)
     for g in range(num_groups):
         base = g * slot_mappings_stride
         # Past the batch's tokens: PAD (CUDA graphs; stale slots of earlier chunks).
@@ -495,26 +479,26 @@ def apply_write(grid, output_ptr, output_stride, write_indices_ptr, write_starts
     num_writes, num_chunks = grid
     if not num_writes or not num_chunks:
         return None
-    cu_lens = _ptr(write_cu_lens_ptr)[:num_writes].long()
+    cu_lens = pointer(write_cu_lens_ptr)[:num_writes].long()
     cu_starts = torch.cat([cu_lens.new_zeros(1), cu_lens[:-1]])
     # Write p copies contents[cu_starts[p]:cu_lens[p]] to row indices[p] from starts[p].
-    k, j, total = _ranges((cu_lens - cu_starts).clamp(0, num_chunks * BLOCK_SIZE))
+    k, j, total = ranges((cu_lens - cu_starts).clamp(0, num_chunks * BLOCK_SIZE))
     if not total:
         return None
-    rows = _ptr(write_indices_ptr)[:num_writes].long()
-    starts = _ptr(write_starts_ptr)[:num_writes].long()
-    contents = _ptr(write_contents_ptr)[cu_starts[k] + j]
+    rows = pointer(write_indices_ptr)[:num_writes].long()
+    starts = pointer(write_starts_ptr)[:num_writes].long()
+    contents = pointer(write_contents_ptr)[cu_starts[k] + j]
     if not MULTI_GROUP:
-        out = _ptr(output_ptr)
+        out = pointer(output_ptr)
         out[rows[k] * output_stride + starts[k] + j] = contents.to(out.dtype)
         return None
     # One output tensor (KV cache group's block table, int32) per group id.
-    group = _ptr(write_group_ids_ptr)[:num_writes].long()
+    group = pointer(write_group_ids_ptr)[:num_writes].long()
     num_groups = int(group.max()) + 1
     outs = _int32_pointers(output_ptr, num_groups)
     if outs is None:
         return FALLBACK
-    strides = _ptr(output_stride)[:num_groups].tolist()
+    strides = pointer(output_stride)[:num_groups].tolist()
     group = group[k]
     for g in group.unique().tolist():
         sel = (group == g).nonzero().squeeze(1)
@@ -535,13 +519,13 @@ def prepare_rope_positions(grid, positions_ptr, positions_stride, prefill_positi
     num_reqs = grid[0]
     if not num_reqs:
         return
-    req = _ptr(idx_mapping_ptr)[:num_reqs].long()
-    computed = _ptr(num_computed_tokens_ptr)[req].long()
-    prefill = computed < _ptr(prefill_lens_ptr)[req].long()
-    delta = _ptr(prefill_delta_ptr)[req].long()
-    query_start_loc = _ptr(query_start_loc_ptr)
+    req = pointer(idx_mapping_ptr)[:num_reqs].long()
+    computed = pointer(num_computed_tokens_ptr)[req].long()
+    prefill = computed < pointer(prefill_lens_ptr)[req].long()
+    delta = pointer(prefill_delta_ptr)[req].long()
+    query_start_loc = pointer(query_start_loc_ptr)
     starts = query_start_loc[:num_reqs].long()
-    k, j, total = _ranges((query_start_loc[1:num_reqs + 1].long() - starts).clamp(min=0))
+    k, j, total = ranges((query_start_loc[1:num_reqs + 1].long() - starts).clamp(min=0))
     if not total:
         return
     orig = computed[k] + j
@@ -549,9 +533,9 @@ def prepare_rope_positions(grid, positions_ptr, positions_stride, prefill_positi
     # Prefill tokens take the model's precomputed M-RoPE positions; decode tokens all
     # dimensions' position + the request's delta.
     staged = torch.where(prefill[k], req[k] * prefill_positions_stride0 + orig, 0)
-    staged = _ptr(prefill_positions_ptr)[staged + dims * prefill_positions_stride1]
+    staged = pointer(prefill_positions_ptr)[staged + dims * prefill_positions_stride1]
     values = torch.where(prefill[k], staged.long(), (orig + delta[k]).expand(NUM_DIMS, -1))
-    positions = _ptr(positions_ptr)
+    positions = pointer(positions_ptr)
     positions[dims * positions_stride + starts[k] + j] = values.to(positions.dtype)
 
 
@@ -570,7 +554,7 @@ def zero_kv_blocks(grid, seg_addrs_ptr, seg_block_strides_ptr, seg_page_sizes_pt
         return FALLBACK
     block_strides = seg_block_strides_ptr[:num_segs].tolist()
     page_sizes = seg_page_sizes_ptr[:num_segs].tolist()
-    block_ids = _ptr(block_ids_ptr)[:num_blocks].long()
+    block_ids = pointer(block_ids_ptr)[:num_blocks].long()
     # Segments of one storage and page size are zeroed together: the rows of an int32
     # view over the storage starting at every element are the pages to zero.
     starts: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -594,17 +578,17 @@ def zero_kv_blocks(grid, seg_addrs_ptr, seg_block_strides_ptr, seg_page_sizes_pt
 @torch_kernel(f"{MAMBA_HYBRID}._scatter_num_accepted_kernel")
 def scatter_num_accepted(grid, idx_mapping_ptr, num_sampled_ptr, num_accepted_ptr) -> None:
     num_reqs = grid[0]
-    req = _ptr(idx_mapping_ptr)[:num_reqs].long()
+    req = pointer(idx_mapping_ptr)[:num_reqs].long()
     rows = (req >= 0).nonzero().squeeze(1)  # -1: a filtered row, skipped
     if rows.numel():
-        out = _ptr(num_accepted_ptr)
-        out[req[rows]] = _ptr(num_sampled_ptr)[rows].clamp(min=1).to(out.dtype)
+        out = pointer(num_accepted_ptr)
+        out[req[rows]] = pointer(num_sampled_ptr)[rows].clamp(min=1).to(out.dtype)
 
 
 @torch_kernel(f"{MAMBA_HYBRID}._fill_num_accepted_kernel")
 def fill_num_accepted(grid, idx_mapping_ptr, num_accepted_ptr, num_sampled) -> None:
     num_reqs = grid[0]
-    req = _ptr(idx_mapping_ptr)[:num_reqs].long()
+    req = pointer(idx_mapping_ptr)[:num_reqs].long()
     rows = (req >= 0).nonzero().squeeze(1)
     if rows.numel():
-        _ptr(num_accepted_ptr)[req[rows]] = num_sampled
+        pointer(num_accepted_ptr)[req[rows]] = num_sampled

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vllm_ddtree.cpu_standin.kernels import FALLBACK, torch_kernel
+from vllm_ddtree.cpu_standin.kernels import FALLBACK, pointer, torch_kernel
 
 MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
 
@@ -37,13 +37,6 @@ _U64 = (1 << 64) - 1
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _ptr(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a kernel's pointer sees it: a 1-D view from its first element to the end
-    of its storage."""
-    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    return t.as_strided((n,), (1,))
 
 
 def _tdiv(a: int, b: int) -> int:
@@ -120,12 +113,12 @@ def _states(num_states: int, block_table_ptrs: torch.Tensor, block_table_stride_
             inner_sizes: torch.Tensor, conv_widths: torch.Tensor, group_indices: torch.Tensor,
             dim_row_count: torch.Tensor, dim_row_stride: torch.Tensor) -> _States:
     def first(t: torch.Tensor) -> list[int]:
-        return [int(v) for v in _ptr(t)[:num_states].tolist()]
+        return [int(v) for v in pointer(t)[:num_states].tolist()]
 
     return _States(first(base_addrs), first(block_strides), first(elem_sizes),
                    first(inner_sizes), first(conv_widths), first(group_indices),
                    first(dim_row_count), first(dim_row_stride),
-                   [int(v) for v in _ptr(block_table_ptrs).tolist()],
+                   [int(v) for v in pointer(block_table_ptrs).tolist()],
                    int(block_table_stride_req))
 
 
@@ -211,12 +204,12 @@ def _batch_rows(grid_rows: int, num_reqs: int, idx_mapping: torch.Tensor | None,
         return [(b, b) for b in range(num_rows)]
     if not num_rows:
         return []
-    reqs = _ptr(idx_mapping)[:num_rows].tolist()
+    reqs = pointer(idx_mapping)[:num_rows].tolist()
     return [(b, int(r)) for b, r in enumerate(reqs) if r >= 0]
 
 
 def _values(t: torch.Tensor, reqs: list[int]) -> list[int]:
-    return [int(v) for v in _ptr(t)[torch.tensor(reqs, dtype=torch.long)].tolist()]
+    return [int(v) for v in pointer(t)[torch.tensor(reqs, dtype=torch.long)].tolist()]
 
 
 # --------------------------------------------------------------------------- preprocess
@@ -235,12 +228,12 @@ def preprocess_mamba_align_fused(grid: tuple[int, ...], idx_mapping_ptr: torch.T
     bias (accepted - 1, at least 0); its running column advanced to the block holding its
     last computed token; its accepted count reset to 1 where that column changed."""
     num_rows = min(num_reqs, grid[0] * BLOCK_SIZE)
-    state_idx, accepted = _ptr(state_idx_ptr), _ptr(num_accepted_tokens_ptr)
-    query_start_loc = _ptr(query_start_loc_ptr)
+    state_idx, accepted = pointer(state_idx_ptr), pointer(num_accepted_tokens_ptr)
+    query_start_loc = pointer(query_start_loc_ptr)
     for start in range(0, max(num_rows, 0), BLOCK_SIZE):  # one program at a time
         batch = torch.arange(start, min(start + BLOCK_SIZE, num_rows))
         if HAS_IDX_MAPPING:
-            req = _ptr(idx_mapping_ptr)[batch].long()
+            req = pointer(idx_mapping_ptr)[batch].long()
             keep = (req >= 0).nonzero().squeeze(1)
             batch, req = batch[keep], req[keep]
         else:
@@ -249,10 +242,10 @@ def preprocess_mamba_align_fused(grid: tuple[int, ...], idx_mapping_ptr: torch.T
             continue
         old = state_idx[req].long()
         src_off = (accepted[req].long() - 1).clamp(min=0)
-        src_col, src_offs = _ptr(src_col_ptr), _ptr(src_off_ptr)
+        src_col, src_offs = pointer(src_col_ptr), pointer(src_off_ptr)
         src_col[req] = old.to(src_col.dtype)
         src_offs[req] = src_off.to(src_offs.dtype)
-        computed_after = (_ptr(num_computed_tokens_ptr)[req].long()
+        computed_after = (pointer(num_computed_tokens_ptr)[req].long()
                           + query_start_loc[batch + 1].long() - query_start_loc[batch].long())
         # (computed_after >= 0: floor and truncated division agree)
         numerator = computed_after + MAMBA_BLOCK_SIZE - 1
@@ -397,7 +390,7 @@ def postprocess_mamba_fused(grid: tuple[int, ...], num_accepted_tokens_ptr: torc
                 return FALLBACK
             copies += planned
     if resets:
-        out = _ptr(num_accepted_tokens_out_ptr)
+        out = pointer(num_accepted_tokens_out_ptr)
         out[torch.tensor(resets, dtype=torch.long)] = 1
     _run(copies)
     return None

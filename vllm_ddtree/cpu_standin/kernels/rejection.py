@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_ddtree.cpu_standin.kernels import FALLBACK, rng, torch_kernel
+from vllm_ddtree.cpu_standin.kernels import FALLBACK, pointer, rng, torch_kernel
 
 DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
@@ -40,20 +40,13 @@ _NEG_INF = float("-inf")
 # them.
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a kernel's pointer sees it: a 1-D view from its first element to the end
-    of its storage."""
-    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    return t.as_strided((n,), (1,))
-
-
 def _a(t: torch.Tensor) -> np.ndarray:
     """:func:`_flat` as a NumPy array (the same memory)."""
     if t.dim() == 1 and t.is_contiguous() and (
             (t.storage_offset() + t.numel()) * t.element_size()
             == t.untyped_storage().nbytes()):
         return t.numpy()  # (already to the end of its storage: a third of the time)
-    return _flat(t).numpy()
+    return pointer(t).numpy()
 
 
 def _rows(t: torch.Tensor, num_rows: int, stride: int, width: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_ddtree.cpu_standin.kernels import rng, torch_kernel
+from vllm_ddtree.cpu_standin.kernels import pointer, ranges, rng, torch_kernel
 
 GUMBEL = "vllm.v1.worker.gpu.sample.gumbel"
 LOGIT_BIAS = "vllm.v1.worker.gpu.sample.logit_bias"
@@ -29,25 +29,9 @@ _NEG_INF = float("-inf")
 # ----------------------------------------------------------------------------- helpers
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a kernel's pointer sees it: a 1-D view from its first element to the end
-    of its storage."""
-    n = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    return t.as_strided((n,), (1,))
-
-
 def _rows(t: torch.Tensor, num_rows: int, stride: int, width: int) -> torch.Tensor:
     """The [num_rows, width] matrix a kernel addresses as ``t + row * stride + col``."""
     return t.as_strided((num_rows, width), (int(stride), 1))
-
-
-def _ranges(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows of ``lens[i]`` (>= 0) elements each, flattened: the row and the index
-    within it of every element."""
-    total = int(lens.sum()) if lens.numel() else 0
-    row = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=total)
-    first = torch.cumsum(lens, 0) - lens
-    return row, torch.arange(total) - first[row]
 
 
 def _block_argmax(x: np.ndarray, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -75,8 +59,8 @@ def temperature(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, tempe
     width = min(int(vocab_size), grid[1] * BLOCK_SIZE)
     if not num_tokens or width <= 0:
         return
-    req = _flat(expanded_idx_mapping_ptr)[:num_tokens].long()
-    temp = _flat(temperature_ptr)[req.clamp(min=0)].float()
+    req = pointer(expanded_idx_mapping_ptr)[:num_tokens].long()
+    temp = pointer(temperature_ptr)[req.clamp(min=0)].float()
     # Temperatures 0 (greedy) and 1 leave the row alone; so do rows without a request
     # (-1), whose temperature the kernel would read out of bounds.
     rows = ((temp != 0.0) & (temp != 1.0) & (req >= 0)).nonzero().squeeze(1)
@@ -106,25 +90,25 @@ def gumbel_sample(grid, local_argmax_ptr, local_argmax_stride, local_max_ptr,
         logits = (logits.float() + bias.float()).to(logits.dtype)
     logits = logits.float()
 
-    req = _flat(expanded_idx_mapping_ptr)[:num_tokens].long()
+    req = pointer(expanded_idx_mapping_ptr)[:num_tokens].long()
     valid = req >= 0
     safe = req.clamp(min=0)
     # Rows without a request sample greedily (temperature 0), with seed 0.
-    temp = torch.where(valid, _flat(temp_ptr)[safe].float(), 0.0)
-    seed = torch.where(valid, _flat(seeds_ptr)[safe].long(), 0)
-    pos = _flat(pos_ptr)[:num_tokens].long()
+    temp = torch.where(valid, pointer(temp_ptr)[safe].float(), 0.0)
+    seed = torch.where(valid, pointer(seeds_ptr)[safe].long(), 0)
+    pos = pointer(pos_ptr)[:num_tokens].long()
 
     if logits_cache_ptr is not None:
         # Cache the logits before temperature (the rejection sampler divides on load).
-        cols = _flat(logits_cache_col_ptr)
+        cols = pointer(logits_cache_col_ptr)
         col = cols[:num_tokens].long() if PER_TOKEN_COL else cols[:1].long().expand(num_tokens)
         if logits_cache_row_mapping_ptr is not None:
-            row = torch.where(valid, _flat(logits_cache_row_mapping_ptr)[safe].long(), -1)
+            row = torch.where(valid, pointer(logits_cache_row_mapping_ptr)[safe].long(), -1)
         else:
             row = req
         source = logits if logits_cache_source_ptr is None else _rows(
             logits_cache_source_ptr, num_tokens, logits_cache_source_stride, width)
-        cache = _flat(logits_cache_ptr)
+        cache = pointer(logits_cache_ptr)
         rows = (row >= 0).nonzero().squeeze(1)
         if rows.numel():
             start = row[rows] * logits_cache_stride_0 + col[rows] * logits_cache_stride_1
@@ -164,7 +148,7 @@ def gumbel_combine(grid, local_argmax_ptr, local_argmax_stride, local_max_ptr,
     winner = torch.where(nan.any(dim=1), nan.to(torch.int8).argmax(dim=1),
                          values.argmax(dim=1))
     argmax = _rows(local_argmax_ptr, num_rows, local_argmax_stride, num_blocks)
-    sampled = _flat(sampled_ptr)[:num_rows]
+    sampled = pointer(sampled_ptr)[:num_rows]
     sampled.copy_(argmax.gather(1, winner[:, None]).squeeze(1))
 
 
@@ -176,8 +160,8 @@ def _entries(req: torch.Tensor, counts: torch.Tensor, *tables: tuple[torch.Tenso
     """The first ``counts[i]`` entries of row ``req[i]`` of [max_num_reqs, stride] tables
     given as (pointer, stride), flattened: the index i of each, then its value in every
     table."""
-    i, j = _ranges(counts)
-    return (i, *(_flat(ptr)[req[i] * int(stride) + j] for ptr, stride in tables))
+    i, j, _ = ranges(counts)
+    return (i, *(pointer(ptr)[req[i] * int(stride) + j] for ptr, stride in tables))
 
 
 @torch_kernel(f"{LOGIT_BIAS}._bias_kernel")
@@ -191,16 +175,16 @@ def bias(grid, logits_ptr, logits_stride, vocab_size, expanded_idx_mapping_ptr,
     vocab_size = int(vocab_size)
     if not num_tokens or vocab_size <= 0:
         return
-    req = _flat(expanded_idx_mapping_ptr)[:num_tokens].long()
+    req = pointer(expanded_idx_mapping_ptr)[:num_tokens].long()
     # (Rows without a request, -1, are left alone: the kernel would read out of bounds.)
     valid = req >= 0
     safe = req.clamp(min=0)
     logits = _rows(logits_ptr, num_tokens, logits_stride, vocab_size)
-    flat = _flat(logits_ptr)
+    flat = pointer(logits_ptr)
     row_start = torch.arange(num_tokens) * int(logits_stride)
 
     def counts(ptr: torch.Tensor) -> torch.Tensor:
-        return torch.where(valid, _flat(ptr)[safe].long(), 0).clamp(0, BLOCK_SIZE)
+        return torch.where(valid, pointer(ptr)[safe].long(), 0).clamp(0, BLOCK_SIZE)
 
     # Allowed token IDs: every other logit of the row becomes -inf.
     num_allowed = counts(num_allowed_token_ids_ptr)
@@ -224,8 +208,8 @@ def bias(grid, logits_ptr, logits_stride, vocab_size, expanded_idx_mapping_ptr,
 
     # Min tokens: stop tokens are banned until the sequence reaches its minimum length.
     num_stop = counts(num_stop_token_ids_ptr)
-    pos = _flat(pos_ptr)[:num_tokens].long()
-    min_len = _flat(min_lens_ptr)[safe].long()
+    pos = pointer(pos_ptr)[:num_tokens].long()
+    min_len = pointer(min_lens_ptr)[safe].long()
     rows = ((num_stop > 0) & (pos + 1 < min_len)).nonzero().squeeze(1)
     if not rows.numel():
         return
@@ -237,7 +221,7 @@ def bias(grid, logits_ptr, logits_stride, vocab_size, expanded_idx_mapping_ptr,
         # Rows asking for it get their stop tokens back when nothing else is left
         # (every logit -inf, NaNs ignored as the interpreter's nanmax does); only the
         # finite ones.
-        restore = _flat(restore_when_all_masked_ptr)[safe[rows]] != 0
+        restore = pointer(restore_when_all_masked_ptr)[safe[rows]] != 0
         row_logits = logits[rows].float()
         all_masked = (torch.isnan(row_logits) | (row_logits == _NEG_INF)).all(dim=1)
         back = (restore & all_masked)[i] & torch.isfinite(saved.float())
@@ -257,12 +241,12 @@ def penalties(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, token_i
     width = min(int(vocab_size), grid[1] * BLOCK_SIZE)
     if not num_tokens or width <= 0:
         return
-    req = _flat(expanded_idx_mapping_ptr)[:num_tokens].long()
+    req = pointer(expanded_idx_mapping_ptr)[:num_tokens].long()
     # (Rows without a request, -1, are left alone: the kernel would read out of bounds.)
     safe = req.clamp(min=0)
-    rep = _flat(repetition_penalty_ptr)[safe]
-    freq = _flat(frequency_penalty_ptr)[safe]
-    pres = _flat(presence_penalty_ptr)[safe]
+    rep = pointer(repetition_penalty_ptr)[safe]
+    freq = pointer(frequency_penalty_ptr)[safe]
+    pres = pointer(presence_penalty_ptr)[safe]
     use_rep = rep != 1.0
     rows = ((req >= 0) & (use_rep | (freq != 0.0) | (pres != 0.0))).nonzero().squeeze(1)
     if not rows.numel():
@@ -273,10 +257,10 @@ def penalties(grid, logits_ptr, logits_stride, expanded_idx_mapping_ptr, token_i
                    width)[req]
     # This step's draft tokens before each position count as output already: those of
     # the row's request at positions 1..pos of its rows (token_ids[row - pos + 1 .. row]).
-    local_pos = _flat(expanded_local_pos_ptr)[rows].long()
-    k, j = _ranges(local_pos.clamp(min=0))
+    local_pos = pointer(expanded_local_pos_ptr)[rows].long()
+    k, j, _ = ranges(local_pos.clamp(min=0))
     if k.numel():
-        prev = _flat(token_ids_ptr)[rows[k] - local_pos[k] + 1 + j].long()
+        prev = pointer(token_ids_ptr)[rows[k] - local_pos[k] + 1 + j].long()
         inside = (prev >= 0) & (prev < width)  # (no column matches the others)
         counts.index_put_((k[inside], prev[inside]),
                           torch.ones(int(inside.sum()), dtype=counts.dtype), accumulate=True)
@@ -310,9 +294,9 @@ def bincount(grid, expanded_idx_mapping_ptr, all_token_ids_ptr, all_token_ids_st
     span = num_blocks * BLOCK_SIZE  # the positions the grid covers
     if not num_tokens or span <= 0:
         return
-    req = _flat(expanded_idx_mapping_ptr)[:num_tokens].long()
-    prompt_len = _flat(prompt_len_ptr)[req].long()
-    prefill_len = _flat(prefill_len_ptr)[req].long()
+    req = pointer(expanded_idx_mapping_ptr)[:num_tokens].long()
+    prompt_len = pointer(prompt_len_ptr)[req].long()
+    prefill_len = pointer(prefill_len_ptr)[req].long()
     position = torch.arange(span)
     # A block starting at or past the prefill length is skipped whole.
     covered = (position // BLOCK_SIZE * BLOCK_SIZE)[None, :] < prefill_len[:, None]
@@ -322,7 +306,7 @@ def bincount(grid, expanded_idx_mapping_ptr, all_token_ids_ptr, all_token_ids_st
     if not (in_prompt.any() or in_output.any()):
         return
     src = req[:, None] * int(all_token_ids_stride) + position[None, :]
-    all_token_ids = _flat(all_token_ids_ptr)
+    all_token_ids = pointer(all_token_ids_ptr)
 
     # Prompt tokens set their bit (token % 32 of word token // 32), OR-ed into the mask.
     t, p = in_prompt.nonzero(as_tuple=True)
@@ -336,7 +320,7 @@ def bincount(grid, expanded_idx_mapping_ptr, all_token_ids_ptr, all_token_ids_st
         bits = torch.from_numpy(
             np.packbits(present.numpy(), axis=1, bitorder="little").view("<i4"))
         r, w = bits.nonzero(as_tuple=True)
-        mask = _flat(prompt_bin_mask_ptr)
+        mask = pointer(prompt_bin_mask_ptr)
         dst = reqs[r] * int(prompt_bin_mask_stride) + w
         mask[dst] = mask[dst] | bits[r, w]
 
@@ -344,7 +328,7 @@ def bincount(grid, expanded_idx_mapping_ptr, all_token_ids_ptr, all_token_ids_st
     t, p = in_output.nonzero(as_tuple=True)
     if t.numel():
         tokens = all_token_ids[src[t, p]].long()
-        out = _flat(output_bin_counts_ptr)
+        out = pointer(output_bin_counts_ptr)
         out.index_put_((req[t] * int(output_bin_counts_stride) + tokens,),
                        torch.ones(t.numel(), dtype=out.dtype), accumulate=True)
 
@@ -378,9 +362,9 @@ def topk_log_softmax(grid, output_ptr, logits_ptr, logits_stride, topk_ids_ptr,
         with np.errstate(divide="ignore"):
             lse = torch.from_numpy(np.log(se))
     ids = _rows(topk_ids_ptr, num_rows, topk_ids_stride, topk).long()
-    picked = _flat(logits_ptr)[torch.arange(num_rows)[:, None] * int(logits_stride) + ids]
+    picked = pointer(logits_ptr)[torch.arange(num_rows)[:, None] * int(logits_stride) + ids]
     out = picked.float() - max_val[:, None] - lse[:, None]
-    _flat(output_ptr)[:num_rows * topk].view(num_rows, topk).copy_(out)
+    pointer(output_ptr)[:num_rows * topk].view(num_rows, topk).copy_(out)
 
 
 @torch_kernel(f"{LOGPROB}._ranks_kernel")
@@ -391,11 +375,11 @@ def ranks(grid, output_ptr, logits_ptr, logits_stride, token_ids_ptr, vocab_size
     if not num_rows:
         return
     logits = _rows(logits_ptr, num_rows, logits_stride, vocab_size)
-    token = _flat(token_ids_ptr)[:num_rows].long()
-    x = _flat(logits_ptr)[torch.arange(num_rows) * int(logits_stride) + token]
+    token = pointer(token_ids_ptr)[:num_rows].long()
+    x = pointer(logits_ptr)[torch.arange(num_rows) * int(logits_stride) + token]
     n = (logits >= x[:, None]).sum(dim=1)
     # The last block's padding loads as -inf, which ranks with a sampled -inf.
     padding = -(-vocab_size // BLOCK_SIZE) * BLOCK_SIZE - vocab_size
     n += torch.where(x == _NEG_INF, padding, 0)
-    out = _flat(output_ptr)[:num_rows]
+    out = pointer(output_ptr)[:num_rows]
     out.copy_(n.to(out.dtype))

@@ -14,11 +14,25 @@ _registered = False
 
 
 def register() -> None:
-    """vLLM's plugin hook: load the native ops once per process, check the patch series."""
+    """vLLM's plugin hook: load the native ops once per process; on vLLM 0.34 register
+    the methods in its speculator registry, on the pin check the patch series."""
     global _registered
     if _registered:
         return
     from vllm_ddtree import ops  # noqa: F401  (registers torch.ops.vllm_ddtree.*)
+
+    try:
+        from vllm.v1.worker.gpu.spec_decode import speculator_config
+    except ImportError:  # vLLM 0.32: the patch series
+        speculator_config = None
+    if speculator_config is not None and hasattr(speculator_config,
+                                                 "register_speculative_method"):
+        from vllm_ddtree.spec_decode import config
+
+        config.register()
+        logger.info("vllm-ddtree plugin registered (methods ddtree, jetspec)")
+        _registered = True
+        return
     from vllm_ddtree.patching.installer import STATE_DIR
     from vllm_ddtree.upstream import installed_vllm_root
 

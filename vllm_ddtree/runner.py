@@ -47,6 +47,7 @@ from vllm_ddtree.config import (
 )
 from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, gdn_layers
 from vllm_ddtree.sampling import MinTokens, node_targets
+from vllm_ddtree.spec_decode.compaction import kv_compaction
 from vllm_ddtree.synthetic import SyntheticAcceptance
 from vllm_ddtree.tree import DraftTrees
 
@@ -432,7 +433,7 @@ class DDTreeState:
             if isinstance(h, torch.Tensor) and h.dim() == 2:
                 ops.compact_tree([], h, qsl.new_zeros(1), qsl, verdict)
         if self._kv_groups is None:  # bound once, after the KV caches are allocated
-            self._kv_groups = [(_kv_compaction(caches), slot_mapping)
+            self._kv_groups = [(kv_compaction(caches), slot_mapping)
                                for caches, slot_mapping in self._target_kv_caches()]
         for compact, slot_mapping in self._kv_groups:
             compact(slot_mapping, qsl, verdict)
@@ -453,16 +454,6 @@ class DDTreeState:
                       if isinstance(c, torch.Tensor) and c.dim() == 4]
             if layers:
                 yield layers, runner.input_batch.block_table[gid].slot_mapping.gpu
-
-
-def _kv_compaction(caches: list) -> Any:
-    """compact_tree bound to a KV-cache group's (layer, cache) pairs, as the layers'
-    attention implementation lays its cache out (TREE_ATTN's CUDA or CPU backend)."""
-    impls = {type(layer.impl) for layer, _ in caches}
-    if len(impls) != 1 or not hasattr(next(iter(impls)), "kv_compaction"):
-        raise RuntimeError(f"method 'ddtree' compacts TREE_ATTN caches, and a KV-cache group "
-                           f"of the target attends through {sorted(c.__name__ for c in impls)}")
-    return next(iter(impls)).kv_compaction(caches)
 
 
 def _structured(runner: Any, req_id: str) -> bool:

@@ -15,7 +15,11 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-from vllm import _custom_ops as ops
+
+try:  # vLLM 0.34 keeps the CPU ops apart
+    from vllm import _cpu_ops as ops
+except ImportError:
+    from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
@@ -220,7 +224,7 @@ class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata = TreeAttentionCPUMetadata(**base.__dict__)
         trees = tree_batch.current(self.vllm_config)
         num_reqs = common_attn_metadata.num_reqs
-        if trees is None:
+        if trees is None or not trees.sees(self.layer_names):
             return metadata
         index = trees.tree_index[:num_reqs]
         kinds = index.tolist()

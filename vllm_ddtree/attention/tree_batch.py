@@ -23,6 +23,10 @@ class TreeBatch:
                                          dtype=torch.int32, device=device)
         # Node depths, for sliding windows (which count positions, and siblings share one).
         self.depths = torch.zeros(max_num_reqs, budget + 1, dtype=torch.int32, device=device)
+        # Attention layers that never see the trees (the drafter's, whose builders share
+        # the target's config and so find this batch; a builder of the target's may list
+        # them too).
+        self.excluded_layers: set[str] = set()
 
     def set_trees(self, tree_index: torch.Tensor, ancestor_mask: torch.Tensor,
                   depths: torch.Tensor) -> None:
@@ -32,6 +36,17 @@ class TreeBatch:
         self.tree_index[n:].fill_(-1)
         self.ancestor_mask[:t].copy_(ancestor_mask)
         self.depths[:t].copy_(depths)
+
+    def point(self, tree_index: torch.Tensor) -> None:
+        """Row r of the batch uses tree ``tree_index[r]`` (-1: none) of the masks and depths
+        already in place (written per request-state slot by vLLM 0.34's speculator)."""
+        n = tree_index.shape[0]
+        self.tree_index[:n].copy_(tree_index)
+        self.tree_index[n:].fill_(-1)
+
+    def sees(self, layer_names: list[str]) -> bool:
+        """Whether a metadata builder of these layers builds tree metadata."""
+        return not set(layer_names) <= self.excluded_layers
 
     def clear(self) -> None:
         self.tree_index.fill_(-1)

@@ -102,7 +102,19 @@ def main(version: str) -> int:
         pip("pytest", "pytest-xdist", "hypothesis")
     # The settings, at every start of this environment's Python (activate.py).
     (site / PTH_NAME).write_text(f"{REPO_ROOT}\nimport vllm_ddtree.cpu_standin.activate\n")
+    install_plugin_entry_point(site)
     return 0
+
+
+def install_plugin_entry_point(site: Path) -> None:
+    """vllm_ddtree as vLLM's general plugin here: the package is on the path (the .pth
+    file), and vLLM finds plugins by entry point, which this metadata declares."""
+    info = site / "vllm_ddtree_standin-0.1.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-ddtree-standin\n"
+                                   "Version: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""Methods "ddtree" and "jetspec" in vLLM 0.34's speculator registry (Model Runner V2).
+
+They are registered with ``register_speculative_method`` (vllm_ddtree.register, in every
+process) as configs built on DFlash's: vLLM then moves the name to ``custom_method``, sets
+``method = "dflash"``, and DFlash's whole set-up (draft model config, aux hidden states of the
+target, context handling) applies. The tree fields go in ``speculator_options`` (vLLM refuses
+unknown top-level fields of the speculative config):
+
+    {"method": "ddtree", "model": DRAFTER, "speculator_options": {"tree_budget": 64}}
+
+``num_speculative_tokens``, if given, is the tree's depth (the drafter's mask positions,
+default block_size - 1). After ``configure`` it is ``tree_budget``, the draft tokens the
+scheduler schedules per request, and the resolved tree fields, ``tree_depth`` included, are
+back in ``speculator_options`` (``tree_options`` reads them). Config modules are imported in
+every process, so this one imports no speculator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
+
+from vllm_ddtree.config import (
+    DEFAULT_TREE_BUDGET,
+    TREE_BUILDS,
+    _resolve_build,
+    _verify_head,
+)
+from vllm_ddtree.tree import MAX_BUDGET
+
+OPTION_NAMES = ("tree_budget", "tree_depth", "tree_spine", "tree_build", "tree_width")
+
+
+@dataclass
+class TreeOptions:
+    """The tree fields, as ``vllm_ddtree.config``'s checks read them (``spec.<field>``)."""
+
+    model: str
+    tree_budget: int = DEFAULT_TREE_BUDGET
+    tree_depth: int | None = None
+    tree_spine: bool = True
+    tree_build: str | None = None
+    tree_width: int | list[int] | None = None
+
+    def widths(self) -> tuple[int, ...]:
+        """The build op's per-depth widths: empty for the best-first build."""
+        if self.tree_build != "jetspec":
+            return ()
+        return tuple(self.tree_width) if isinstance(self.tree_width, list) else (
+            self.tree_width,)
+
+
+def tree_options(spec: Any) -> TreeOptions:
+    """The resolved tree fields of a configured speculative config."""
+    options = spec.speculator_options or {}
+    return TreeOptions(spec.model, **{k: options[k] for k in OPTION_NAMES if k in options})
+
+
+# Settings of V2's verification that tree verification does not honour: (field, the value
+# that leaves it off, why).
+_REFUSED = (
+    ("enable_adaptive_verification", False, "trees are sized by tree_budget, not per request"),
+    ("draft_sample_method", "greedy", "trees are built from the drafter's top-k "
+     "log-probabilities"),
+    ("rejection_sample_method", "standard", "trees are verified by walking the target's "
+     "choice at every node (block and FLy verification, and synthetic acceptance, are "
+     "chain rules)"),
+)
+
+
+class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
+    speculator_class = "vllm_ddtree.spec_decode.speculator.DDTreeSpeculator"
+    supported_options = frozenset({"speculator_options"})
+    supports_watermarking = False
+    # The build a method implies (None: by the drafter's head; "jetspec" for jetspec).
+    implied_build: ClassVar[str | None] = None
+    method_name: ClassVar[str] = "ddtree"
+
+    @classmethod
+    def configure(cls, spec: Any) -> None:
+        options = cls._read_options(spec)
+        resolved = options.tree_depth is not None and spec.num_speculative_tokens == (
+            options.tree_budget)  # a config set up before (vLLM re-runs __post_init__)
+        depth = options.tree_depth if resolved else spec.num_speculative_tokens
+        # DFlash's set-up wants num_speculative_tokens; the depth is known only once the
+        # drafter's config is loaded.
+        spec.num_speculative_tokens = depth or 1
+        super().configure(spec)
+        hf = spec.draft_model_config.hf_config
+        block_size = getattr(hf, "block_size", None)
+        if not getattr(hf, "dflash_config", None) or not isinstance(block_size, int) or (
+                block_size < 2):
+            raise ValueError(f"speculative_config.model {spec.model!r} is not a DFlash "
+                             f"drafter (no dflash_config and block_size): method "
+                             f"{cls.method_name!r} drafts with one")
+        if depth is not None and depth > block_size - 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens is {depth}, deeper "
+                             f"than the drafter drafts: at most block_size - 1 = "
+                             f"{block_size - 1}")
+        # A tree of B nodes is at most B deep: the drafter need not draft further.
+        options.tree_depth = min(depth or block_size - 1, options.tree_budget)
+        _resolve_build(options, _verify_head(options, hf), hf.vocab_size)
+        target = spec.target_model_config
+        if hf.vocab_size != target.get_vocab_size():
+            raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
+                             f"{hf.vocab_size} tokens, the target {target.get_vocab_size()}: "
+                             f"they must match")
+        if target.is_hybrid or target.has_inner_state:
+            raise ValueError(f"speculative_config.method {cls.method_name!r}: the target "
+                             f"{target.model!r} has recurrent layers, which the vLLM 0.34 "
+                             f"port does not verify over trees yet; use method 'dflash'")
+        spec.num_speculative_tokens = options.tree_budget
+        spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
+
+    @classmethod
+    def _read_options(cls, spec: Any) -> TreeOptions:
+        for name, off, why in _REFUSED:
+            if getattr(spec, name) != off:
+                raise ValueError(f"speculative_config.{name} is {getattr(spec, name)!r}: "
+                                 f"method {cls.method_name!r} does not support it ({why}); "
+                                 f"leave it {off!r}")
+        if spec.model is None:
+            raise ValueError(f"speculative_config.model: method {cls.method_name!r} needs a "
+                             f"DFlash drafter checkpoint (the same ones method 'dflash' takes)")
+        given = dict(spec.speculator_options or {})
+        unknown = sorted(set(given) - set(OPTION_NAMES))
+        if unknown:
+            raise ValueError(f"speculative_config.speculator_options.{unknown[0]} is not an "
+                             f"option of method {cls.method_name!r} (options: "
+                             f"{', '.join(OPTION_NAMES[:1] + OPTION_NAMES[2:])})")
+        if cls.implied_build is not None:
+            if given.get("tree_build", cls.implied_build) != cls.implied_build:
+                raise ValueError(f"speculative_config.speculator_options.tree_build is "
+                                 f"{given['tree_build']!r}: method {cls.method_name!r} builds "
+                                 f"{cls.implied_build!r} trees; use method 'ddtree' for "
+                                 f"another build")
+            given["tree_build"] = cls.implied_build
+        options = TreeOptions(spec.model, **given)
+        budget = options.tree_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or not (
+                1 <= budget <= MAX_BUDGET):
+            raise ValueError(f"speculative_config.speculator_options.tree_budget must be an "
+                             f"integer in [1, {MAX_BUDGET}], got {budget!r}")
+        if not isinstance(options.tree_spine, bool):
+            raise ValueError(f"speculative_config.speculator_options.tree_spine must be true "
+                             f"or false, got {options.tree_spine!r}")
+        if options.tree_build is not None and options.tree_build not in TREE_BUILDS:
+            raise ValueError(f"speculative_config.speculator_options.tree_build must be one "
+                             f"of {TREE_BUILDS}, got {options.tree_build!r}")
+        return options
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        # A verify step writes tree_budget + 1 slots; the drafter's depth + 1 queries start
+        # past the accepted path, inside them.
+        return self.num_speculative_tokens + 1
+
+    def max_num_draft_seqs(self, max_num_batched_tokens: int) -> int:
+        # A verify step takes tree_budget + 1 tokens a request; the drafter fewer.
+        return max_num_batched_tokens // (self.num_speculative_tokens + 1)
+
+    def hash_factors(self) -> list[Any]:
+        options = self.spec_config.speculator_options or {}
+        return [(k, str(options.get(k))) for k in OPTION_NAMES]
+
+
+class JetSpecSpeculatorConfig(DDTreeSpeculatorConfig):
+    """JetSpec's build (per-depth widths) over a DFlash or JetSpec-head drafter."""
+
+    implied_build = "jetspec"
+    method_name = "jetspec"
+
+
+def register() -> None:
+    """Both methods, by qualified name (imported when a config names them), and TREE_ATTN
+    as an attention backend of this platform (vLLM looks a layer's backend up by name)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import register_backend
+    from vllm.v1.worker.gpu.spec_decode.speculator_config import register_speculative_method
+
+    from vllm_ddtree.attention import CPU_BACKEND_PATH, CUDA_BACKEND_PATH
+
+    register_speculative_method("ddtree", f"{__name__}.DDTreeSpeculatorConfig")
+    register_speculative_method("jetspec", f"{__name__}.JetSpecSpeculatorConfig")
+    register_backend("TREE_ATTN",
+                     CPU_BACKEND_PATH if current_platform.is_cpu() else CUDA_BACKEND_PATH)

@@ -1,0 +1,40 @@
+"""The glue into V2's step: the target's ModelState, subclassed for trees.
+
+V2's speculator interface ends at drafting: it reaches neither the verify forward's
+positions, nor its attention metadata, nor the acceptance rule. The runner asks its
+ModelState for all three (``preprocess_state`` after the slot mappings are computed and
+before the attention metadata is built; ``custom_sampler`` for the rejection sampler), and
+takes the ModelState class from the target model's ``get_model_state_cls`` when it has one.
+The speculator's ``load_model`` runs before the runner makes its ModelState, so it gives the
+target model that method, returning the class vLLM would have chosen with ddtree's hooks on
+top. That keeps the whole step in the plugin, without a patch to the runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
+
+from vllm_ddtree.spec_decode.verifier import TreeVerifier
+
+
+def install_model_state(vllm_config: Any, target_model: Any, verifier: TreeVerifier) -> None:
+    base = resolve_model_state_cls(vllm_config, target_model)
+
+    class DDTreeModelState(base):
+        def preprocess_state(self, input_batch: Any, block_tables: Any, kv_cache_config: Any,
+                             num_computed_tokens: Any) -> None:
+            super().preprocess_state(input_batch, block_tables, kv_cache_config,
+                                     num_computed_tokens)
+            verifier.begin_step(input_batch)
+
+        def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
+            base_choice = super().custom_sampler(sampler)
+            if base_choice is not None:
+                raise ValueError(f"method 'ddtree': the target's model state "
+                                 f"({base.__name__}) brings its own sampler")
+            return sampler, verifier.with_sampler(sampler)
+
+    DDTreeModelState.__name__ = DDTreeModelState.__qualname__ = f"DDTree{base.__name__}"
+    target_model.get_model_state_cls = lambda: DDTreeModelState

@@ -1,0 +1,125 @@
+"""The ddtree speculator: DFlash's drafter, whose per-depth logits become a token tree.
+
+V2's DFlash speculator drafts ``num_speculative_steps + 1`` queries per request (the bonus
+token and mask tokens) in one forward and samples one token per mask position. Here the
+drafter drafts ``tree_depth`` positions, and ``_generate_draft`` (inside DFlash's captured
+FULL graph when graphs are on) turns their logits into a tree of ``tree_budget`` nodes per
+request on the device: the nodes' tokens are the drafts V2 hands the scheduler
+(``[num_reqs, tree_budget]``), and the trees' links stay here, by request-state slot, for
+the next step's verification (``TreeStore``).
+
+Before drafting, the accepted path's hidden states are compacted to the first rows of each
+request's verify span (``propose``), so that DFlash's context rows (a request's first
+``query_len - num_rejected`` rows) are the accepted path, as for a chain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree import ops
+from vllm_ddtree.attention.tree_batch import TreeBatch
+from vllm_ddtree.spec_decode.config import tree_options
+from vllm_ddtree.spec_decode.model_state import install_model_state
+from vllm_ddtree.spec_decode.verifier import TreeVerifier
+
+
+class TreeStore:
+    """The trees drafted last, by request-state slot (row ``max_num_reqs`` takes padded
+    rows): their links for the walk, and, in the ``TreeBatch`` TREE_ATTN reads, their
+    ancestor masks and depths."""
+
+    def __init__(self, max_num_reqs: int, budget: int, device: torch.device) -> None:
+        rows, nodes = max_num_reqs + 1, budget + 1
+        self.padding_slot = max_num_reqs
+        self.attention = TreeBatch(rows, budget, device)
+        self.first_child = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
+        self.next_sibling = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return self.attention.depths
+
+    def write(self, slots: torch.Tensor, trees: ops.DraftTrees) -> None:
+        slots = torch.where(slots < 0, self.padding_slot, slots)
+        self.first_child[slots] = trees.first_child
+        self.next_sibling[slots] = trees.next_sibling
+        self.attention.depths[slots] = trees.depths
+        self.attention.ancestor_mask[slots] = trees.ancestor_mask
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        options = tree_options(vllm_config.speculative_config)
+        # The base class sizes its buffers by num_speculative_tokens (tree_budget) drafter
+        # steps; the drafter drafts tree_depth. Read before: _num_graph_context_tokens.
+        self.budget, self.depth = options.tree_budget, options.tree_depth
+        self.spine, self.widths = options.tree_spine, options.widths()
+        super().__init__(vllm_config, device)
+        self.num_speculative_steps = self.depth
+        self.num_query_per_req = self.depth + 1
+        rows = self.max_num_reqs * self.depth
+        self.sample_indices = self.sample_indices[:rows]
+        self.sample_pos = self.sample_pos[:rows]
+        self.sample_idx_mapping = self.sample_idx_mapping[:rows]
+        self.sample_col = self.sample_col.view(self.max_num_reqs, -1)[:, :self.depth].flatten()
+        # draft_tokens stays [max_num_reqs, tree_budget]: the trees' nodes below the root.
+        self.trees = TreeStore(self.max_num_reqs, self.budget, device)
+        self.verifier = TreeVerifier(self.trees, self.budget, self.depth)
+        if device.type == "cpu":
+            # The CPU platform answers CPU_ATTN whatever backend is selected; TREE_ATTN's
+            # CPU implementation is CPU_ATTN for requests without a tree.
+            from vllm.v1.attention.backends.registry import (
+                AttentionBackendEnum,
+                register_backend,
+            )
+
+            from vllm_ddtree.attention import CPU_BACKEND_PATH
+
+            register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_PATH)
+
+    def _num_graph_context_tokens(self, num_reqs: int) -> int:
+        # Context rows of a captured draft step: one verify step (tree_budget + 1) each.
+        return min(num_reqs * (self.budget + 1), self.max_num_tokens)
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        super().load_model(target_model)
+        # Runs before the runner makes its ModelState: the target's becomes ddtree's.
+        install_model_state(self.vllm_config, target_model, self.verifier)
+
+    def set_attn(self, model_state: Any, kv_cache_config: Any, block_tables: Any,
+                 target_input_buffers: Any, target_attn_groups: Any) -> None:
+        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
+                         target_attn_groups)
+        self.verifier.bind(self.vllm_config, kv_cache_config, block_tables,
+                           self.draft_attn_layer_names)
+
+    def _generate_draft(self, num_reqs: int, num_tokens_padded: int,
+                        attn_metadata: dict[str, Any] | None,
+                        slot_mappings: dict[str, torch.Tensor] | None,
+                        num_tokens_across_dp: torch.Tensor | None,
+                        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE) -> None:
+        hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
+                                        num_tokens_across_dp, cudagraph_runtime_mode)
+        rows = self.sample_indices[:num_reqs * self.depth]
+        logits = self.model.compute_logits(hidden_states[rows])
+        step = self.num_query_per_req
+        roots = self.input_buffers.input_ids[:num_reqs * step:step].to(torch.int64)
+        trees = ops.build_tree_from_logits(roots, logits.view(num_reqs, self.depth, -1),
+                                           self.budget, self.spine, self.widths)
+        self.draft_tokens[:num_reqs] = trees.token_ids[:, 1:]
+        self.trees.write(self.sample_idx_mapping[:num_reqs * self.depth:self.depth], trees)
+
+    def propose(self, input_batch: Any, attn_metadata: dict[str, Any],
+                slot_mappings: dict[str, torch.Tensor], last_hidden_states: torch.Tensor,
+                aux_hidden_states: list[torch.Tensor] | None, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        self.verifier.compact_hidden_states([last_hidden_states, *(aux_hidden_states or [])])
+        return super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                               aux_hidden_states, *args, **kwargs)

@@ -1,0 +1,191 @@
+"""Tree verification in a V2 step, in step order:
+
+1. ``begin_step`` (the ModelState's ``preprocess_state``: after the runner wrote chain
+   positions and computed slot mappings from them, before attention metadata): each node
+   of a request's tree gets position context + depth (siblings share one), in place, and
+   TREE_ATTN learns which rows are trees. Slots stay per node, as the chain gave them.
+2. ``__call__`` in place of V2's rejection sampler: the target's choice at every node (its
+   sampler, greedy or a sample keyed by the node's position: nodes of one depth share a
+   draw, and a path visits one node per depth, so the emitted tokens are the target's own
+   samples), the walk (``verify_tree``), logprobs of the emitted tokens, and the accepted
+   path's KV entries moved to the slots right after the root; chain positions restored.
+3. ``compact_hidden_states`` (the speculator's ``propose``): the accepted path's hidden
+   states moved likewise, so DFlash's context rows are the accepted path.
+
+Not yet on this path (the V1 runner has them): penalties, bad words and min_tokens see the
+chain's rows, not a node's path (vLLM's processors count the drafts before a row); the
+walk's own min_tokens; structured output; synthetic acceptance; recurrent (GDN) targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_ddtree import ops
+from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.spec_decode.compaction import target_kv_compactions
+
+
+@dataclass
+class TreeStep:
+    """One verify step's tree data, from ``begin_step`` to drafting."""
+
+    rows: torch.Tensor  # [num_logits] the logits rows' token rows
+    delta: torch.Tensor  # [num_logits] tree position - chain position of each of them
+    verdict: ops.Verdict | None = None
+    roots: torch.Tensor | None = None  # [R + 1] each request's root row, then num_tokens
+
+
+class TreeVerifier:
+    def __init__(self, trees: Any, budget: int, depth: int) -> None:
+        self.trees, self.budget, self.max_depth = trees, budget, min(depth, budget)
+        self.sampler: Any = None
+        self.step: TreeStep | None = None
+        self._compactions: list | None = None
+        # Counters (stats() reads them): verify steps of requests, the longest accepted
+        # path, and paths that left the node-index == depth line (off the spine).
+        self.verified_rows = 0
+        self._longest: torch.Tensor | None = None
+        self._off_line: torch.Tensor | None = None
+
+    def bind(self, vllm_config: Any, kv_cache_config: Any, block_tables: Any,
+             draft_layers: set[str]) -> None:
+        """Once the KV cache exists (the speculator's set_attn)."""
+        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        self.block_tables, self.draft_layers = block_tables, set(draft_layers)
+        self.trees.attention.excluded_layers = self.draft_layers
+        tree_batch.install(vllm_config, self.trees.attention)
+
+    def with_sampler(self, sampler: Any) -> TreeVerifier:
+        self.sampler = sampler
+        return self
+
+    def begin_step(self, input_batch: Any) -> None:
+        self.step = None
+        drafts = input_batch.num_draft_tokens_per_req
+        if not input_batch.num_draft_tokens or drafts is None:
+            self.trees.attention.clear()
+            return
+        rows = input_batch.logits_indices
+        slots = input_batch.expanded_idx_mapping.long()
+        local = input_batch.expanded_local_pos.long()
+        delta = self.trees.depths[slots, local].long() - local
+        positions = input_batch.positions
+        positions[rows] += delta
+        tree_index = np.where(drafts[:input_batch.num_reqs] > 0,
+                              input_batch.idx_mapping_np, -1)
+        self.trees.attention.point(torch.from_numpy(tree_index.astype(np.int32)))
+        self.step = TreeStep(rows, delta)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, input_batch: Any,
+                 draft_logits: Any = None) -> Any:
+        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+        step, sampler = self.step, self.sampler
+        assert step is not None, "a verify step without begin_step"
+        num_nans = None
+        if sampler.compute_nans:
+            from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+
+            num_nans = get_num_nans(logits)
+        ids = input_batch.input_ids[step.rows]
+        choice, _ = sampler.sample(
+            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
+            input_batch.idx_mapping_np, input_batch.positions[step.rows], ids,
+            torch.zeros_like(input_batch.expanded_local_pos),
+            input_batch.seq_lens_cpu_upper_bound.numpy())
+        # Per request, its nodes in order (root first); -1 past a request's nodes.
+        cu = input_batch.cu_num_logits.long()
+        node = torch.arange(self.budget + 1, device=logits.device)
+        at = cu[:-1, None] + node
+        valid = node < (cu[1:] - cu[:-1])[:, None]
+        at = at.clamp(max=logits.shape[0] - 1)
+        token_ids = torch.where(valid, ids[at].long(), -1)
+        choices = torch.where(valid, choice[at].long(), -1)
+        slots = input_batch.idx_mapping
+        verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
+            token_ids, self.trees.first_child[slots], self.trees.next_sibling[slots],
+            choices, self.max_depth))
+        logprobs = self._logprobs(logits, input_batch, verdict, cu)
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            (verdict.num_accepted + 1).to(torch.int32), input_batch.seq_lens,
+            input_batch.cu_num_logits, input_batch.idx_mapping,
+            sampler.req_states.prefill_len.gpu)
+        step.verdict = verdict
+        step.roots = torch.cat([step.rows[cu[:-1]],
+                                step.rows.new_full((1,), input_batch.num_tokens)])
+        self._compact_kv(step)
+        input_batch.positions[step.rows] -= step.delta  # chain positions, for the drafter
+        self._count(verdict)
+        return SamplerOutput(sampled_token_ids=verdict.output_tokens, logprobs_tensors=logprobs,
+                             num_nans=num_nans, num_sampled=num_sampled,
+                             num_rejected=num_rejected)
+
+    def _logprobs(self, logits: torch.Tensor, input_batch: Any, verdict: ops.Verdict,
+                  cu: torch.Tensor) -> Any:
+        """Logprobs of the emitted tokens, laid out as V2's rejection sampler lays them
+        (row cu[r] + j: request r's token j): token j was chosen at its path's node j - 1
+        (the root for j = 0), so its row is that node's logits row."""
+        from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+        sampler = self.sampler
+        dims = sampler.get_logprobs_dims(input_batch.idx_mapping_np)
+        if dims is None:
+            return None
+        num_logprobs, max_token_ids = dims
+        R, width = verdict.output_tokens.shape
+        path = torch.cat([verdict.accepted.new_zeros(R, 1), verdict.accepted], dim=1)
+        j = torch.arange(width, device=logits.device)
+        emitted = j < (verdict.num_accepted + 1)[:, None]
+        dst = (cu[:-1, None] + j)[emitted]
+        src = (cu[:-1, None] + path.long())[emitted]
+        order = torch.arange(logits.shape[0], device=logits.device)
+        order[dst] = src
+        flat = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        flat[dst] = verdict.output_tokens[emitted]
+        return compute_topk_scores(
+            logits[order], num_logprobs, flat, input_batch.cu_num_logits_np.tolist(),
+            logprob_token_ids_state=sampler.logprob_token_ids_state,
+            expanded_idx_mapping=input_batch.expanded_idx_mapping,
+            max_per_req_token_ids=max_token_ids,
+            logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"))
+
+    def _compact_kv(self, step: TreeStep) -> None:
+        if self._compactions is None:  # bound once the caches are bound to the layers
+            self._compactions = target_kv_compactions(
+                self.vllm_config, self.kv_cache_config, self.draft_layers)
+        for gid, compact in self._compactions:
+            compact(self.block_tables.slot_mappings[gid], step.roots, step.verdict)
+
+    def compact_hidden_states(self, hidden_states: list[torch.Tensor]) -> None:
+        """Before drafting: the accepted path's rows of the target's hidden states."""
+        step, self.step = self.step, None
+        if step is None or step.verdict is None:
+            return
+        for h in hidden_states:
+            ops.compact_tree([], h, step.roots.new_zeros(1), step.roots, step.verdict)
+
+    def _count(self, verdict: ops.Verdict) -> None:
+        self.verified_rows += verdict.num_accepted.shape[0]
+        longest = verdict.num_accepted.max()
+        index_line = torch.arange(1, self.max_depth + 1, dtype=torch.int32,
+                                  device=longest.device)
+        off_line = (verdict.accepted > index_line).any(dim=1).sum()
+        if self._longest is None:
+            self._longest, self._off_line = longest.clone(), off_line.clone()
+        else:
+            torch.maximum(self._longest, longest, out=self._longest)
+            self._off_line += off_line
+
+    def stats(self) -> dict[str, int]:
+        """Verify steps of requests, the longest accepted path, paths off the spine."""
+        if self._longest is None:
+            return {"verified_rows": 0, "longest_accepted": 0, "paths_off_the_index_line": 0}
+        return {"verified_rows": self.verified_rows, "longest_accepted": int(self._longest),
+                "paths_off_the_index_line": int(self._off_line)}

@@ -44,7 +44,19 @@ def generate(model: str, spec: dict | None = None, dtype: str = "float32",
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "drafts": count("vllm:spec_decode_num_drafts"),
             "draft_tokens": count("vllm:spec_decode_num_draft_tokens"),
-            "accepted": count("vllm:spec_decode_num_accepted_tokens"), **launches}
+            "accepted": count("vllm:spec_decode_num_accepted_tokens"),
+            "trees": tree_stats(llm), **launches}
+
+
+def tree_stats(llm: object) -> dict[str, int] | None:
+    """The tree verifier's counters (vllm_ddtree/spec_decode/verifier.py) of an engine run
+    in this process, None without one."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return None
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    verifier = getattr(getattr(runner, "speculator", None), "verifier", None)
+    return None if verifier is None else verifier.stats()
 
 
 @contextmanager

@@ -84,21 +84,14 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         resolved = options.tree_depth is not None and spec.num_speculative_tokens == (
             options.tree_budget)  # a config set up before (vLLM re-runs __post_init__)
         depth = options.tree_depth if resolved else spec.num_speculative_tokens
-        # DFlash's set-up wants num_speculative_tokens; the depth is known only once the
-        # drafter's config is loaded.
-        spec.num_speculative_tokens = depth or 1
-        super().configure(spec)
-        hf = spec.draft_model_config.hf_config
-        block_size = getattr(hf, "block_size", None)
-        if not getattr(hf, "dflash_config", None) or not isinstance(block_size, int) or (
-                block_size < 2):
-            raise ValueError(f"speculative_config.model {spec.model!r} is not a DFlash "
-                             f"drafter (no dflash_config and block_size): method "
-                             f"{cls.method_name!r} drafts with one")
+        block_size = cls._drafter_block_size(spec)
         if depth is not None and depth > block_size - 1:
             raise ValueError(f"speculative_config.num_speculative_tokens is {depth}, deeper "
                              f"than the drafter drafts: at most block_size - 1 = "
                              f"{block_size - 1}")
+        spec.num_speculative_tokens = depth or block_size - 1  # DFlash's set-up wants one
+        super().configure(spec)
+        hf = spec.draft_model_config.hf_config
         # A tree of B nodes is at most B deep: the drafter need not draft further.
         options.tree_depth = min(depth or block_size - 1, options.tree_budget)
         _resolve_build(options, _verify_head(options, hf), hf.vocab_size)
@@ -113,6 +106,21 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                              f"port does not verify over trees yet; use method 'dflash'")
         spec.num_speculative_tokens = options.tree_budget
         spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
+
+    @classmethod
+    def _drafter_block_size(cls, spec: Any) -> int:
+        """The drafter's block size, from its config file: DFlash's set-up (which wraps the
+        checkpoint's architecture as a DFlash one) fails unhelpfully on anything else."""
+        from transformers import PretrainedConfig
+
+        found, _ = PretrainedConfig.get_config_dict(spec.model, revision=spec.revision)
+        block_size = found.get("block_size")
+        if not found.get("dflash_config") or not isinstance(block_size, int) or (
+                block_size < 2):
+            raise ValueError(f"speculative_config.model {spec.model!r} is not a DFlash "
+                             f"drafter (its config has no dflash_config and block_size): "
+                             f"method {cls.method_name!r} drafts with one")
+        return block_size
 
     @classmethod
     def _read_options(cls, spec: Any) -> TreeOptions:

@@ -28,6 +28,20 @@ from vllm_ddtree.spec_decode.model_state import install_model_state
 from vllm_ddtree.spec_decode.verifier import TreeVerifier
 
 
+def _tree_attention_on_cpu() -> None:
+    """The CPU platform answers CPU_ATTN whatever backend is selected: CPU_ATTN becomes
+    TREE_ATTN's CPU implementation (CPU_ATTN itself for requests without a tree, and for
+    engines without trees), before the target's layers pick their backend. A choice made
+    earlier in this process (another engine's) is cached by the selector: forgotten."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    from vllm_ddtree.attention import CPU_BACKEND_PATH
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_PATH)
+    _cached_get_attn_backend.cache_clear()
+
+
 class TreeStore:
     """The trees drafted last, by request-state slot (row ``max_num_reqs`` takes padded
     rows): their links for the walk, and, in the ``TreeBatch`` TREE_ATTN reads, their
@@ -73,16 +87,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.trees = TreeStore(self.max_num_reqs, self.budget, device)
         self.verifier = TreeVerifier(self.trees, self.budget, self.depth)
         if device.type == "cpu":
-            # The CPU platform answers CPU_ATTN whatever backend is selected; TREE_ATTN's
-            # CPU implementation is CPU_ATTN for requests without a tree.
-            from vllm.v1.attention.backends.registry import (
-                AttentionBackendEnum,
-                register_backend,
-            )
-
-            from vllm_ddtree.attention import CPU_BACKEND_PATH
-
-            register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_PATH)
+            _tree_attention_on_cpu()
 
     def _num_graph_context_tokens(self, num_reqs: int) -> int:
         # Context rows of a captured draft step: one verify step (tree_budget + 1) each.

@@ -1,0 +1,117 @@
+"""Methods ddtree and jetspec on vLLM 0.34's Model Runner V2 (vllm_ddtree/spec_decode/), end
+to end in the CPU stand-in with the trained tiny pair (models/tiny-pair), whose drafter the
+target often agrees with: greedy output is the target's own, token for token, with paths
+accepted several nodes deep and off the spine (the drafter's greedy chain); sampling keeps
+the target's distribution; logprobs are the target's; settings trees cannot honour are
+refused at start-up naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_runs import REPO, generate
+
+PAIR = REPO / "models" / "tiny-pair"
+PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,",
+           "for i in range(10):", "The capital of France is"]
+
+
+def tree_spec(method: str = "ddtree", drafter: str = "drafter", **options: object) -> dict:
+    return {"method": method, "model": str(PAIR / drafter), "speculator_options": options}
+
+
+@pytest.fixture(scope="module")
+def target_alone() -> dict:
+    return generate(str(PAIR / "target"), prompts=PROMPTS, max_tokens=40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "drafter", "budget", "max_num_seqs"), [
+    ("ddtree", "drafter", 16, 8), ("ddtree", "drafter", 64, 2),
+    ("jetspec", "jetspec-drafter", 64, 8)])
+def test_greedy_is_lossless_with_deep_off_spine_paths(target_alone: dict, method: str,
+                                                      drafter: str, budget: int,
+                                                      max_num_seqs: int) -> None:
+    run = generate(str(PAIR / "target"), spec=tree_spec(method, drafter, tree_budget=budget),
+                   prompts=PROMPTS, max_tokens=40, max_num_seqs=max_num_seqs)
+    assert run["tokens"] == target_alone["tokens"]
+    trees = run["trees"]
+    # Paths 3+ nodes deep, and paths through a node off the spine (a node whose index
+    # exceeds its depth): verification walked the tree, not just the chain.
+    assert trees["longest_accepted"] >= 3 and trees["paths_off_the_index_line"] > 0, trees
+    assert run["draft_tokens"] == budget * run["drafts"], run
+    assert run["accepted"] / run["drafts"] > 1.0, run  # mean acceptance length > 2
+    assert (run["interpreted"], run["fallbacks"]) == ([], 0)
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_target_distribution() -> None:
+    """Temperature 1: the 2nd and 3rd generated tokens (the first drafted ones) are
+    distributed as without speculation (chi-square p > 0.001, fixed seeds)."""
+    from test_ddtree_engine import chi_square_p_value
+
+    n, model = 1500, str(PAIR / "target")
+    common = dict(prompts=["def main():"] * n, max_tokens=3, max_num_seqs=64,
+                  temperature=1.0, seeds=[1000 + i for i in range(n)])
+    plain = generate(model, **common)["tokens"]
+    run = generate(model, spec=tree_spec(tree_budget=16), **common)
+    assert run["trees"]["verified_rows"] > 0 and all(len(t) == 3 for t in run["tokens"])
+    assert run["trees"]["paths_off_the_index_line"] > 0, run["trees"]
+    for position in (1, 2):
+        p = chi_square_p_value([t[position] for t in plain],
+                               [t[position] for t in run["tokens"]])
+        assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"
+
+
+@pytest.mark.slow
+def test_logprobs_are_the_targets_own() -> None:
+    from vllm import LLM, SamplingParams
+
+    def run(spec: dict | None) -> list:
+        llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
+                  dtype="float32", max_num_seqs=8, speculative_config=spec)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+        return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    plain, trees = run(None), run(tree_spec(tree_budget=16))
+    for a, b in zip(plain, trees):
+        assert list(a.token_ids) == list(b.token_ids)
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert step_a.keys() == step_b.keys()
+            for token, lp in step_a.items():
+                assert step_b[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+                assert step_b[token].rank == lp.rank
+
+
+@pytest.mark.parametrize(("spec", "named"), [
+    (dict(tree_spec(tree_budget=0)), "tree_budget"),
+    (dict(tree_spec(tree_budget=16, tree_size=3)), "speculator_options.tree_size"),
+    (dict(tree_spec(tree_budget=16), enable_adaptive_verification=True),
+     "enable_adaptive_verification"),
+    (dict(tree_spec(tree_budget=16), rejection_sample_method="block"),
+     "rejection_sample_method"),
+    (dict(tree_spec(tree_budget=16), draft_sample_method="probabilistic"),
+     "draft_sample_method"),
+    (dict(tree_spec("jetspec", tree_build="best_first")), "tree_build"),
+    (dict(tree_spec(tree_budget=16), num_speculative_tokens=9), "num_speculative_tokens"),
+    ({"method": "ddtree", "model": str(PAIR / "target")}, "model"),
+])
+def test_settings_trees_cannot_honour_are_refused_by_name(spec: dict, named: str) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(PAIR / "target"), max_model_len=512, speculative_config=spec)
+    with pytest.raises(Exception, match=named.replace(".", r"\.")):
+        args.create_engine_config()
+
+
+def test_the_resolved_options_are_in_the_config(tmp_path: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(PAIR / "target"), max_model_len=512,
+                        speculative_config=tree_spec(tree_budget=32)).create_engine_config()
+    spec = config.speculative_config
+    assert (spec.method, spec.custom_method, spec.num_speculative_tokens) == (
+        "dflash", "ddtree", 32)
+    assert spec.speculator_options == {"tree_budget": 32, "tree_depth": 7, "tree_spine": True,
+                                       "tree_build": "best_first", "tree_width": None}

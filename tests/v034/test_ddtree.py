@@ -115,3 +115,64 @@ def test_the_resolved_options_are_in_the_config(tmp_path: Path) -> None:
         "dflash", "ddtree", 32)
     assert spec.speculator_options == {"tree_budget": 32, "tree_depth": 7, "tree_spine": True,
                                        "tree_build": "best_first", "tree_width": None}
+
+
+def run_llm(spec: dict | None, params: list) -> tuple[list, dict | None]:
+    from engine_runs import tree_stats
+    from vllm import LLM
+
+    llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
+              dtype="float32", max_num_seqs=8, speculative_config=spec)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0] for o in outputs], tree_stats(llm)
+
+
+@pytest.mark.slow
+def test_logits_processing_is_lossless() -> None:
+    """Penalties and bad words (which vLLM applies counting the drafts before a row as
+    history: such requests draft the greedy chain; as trees, the frequency-penalized
+    request's output changes), allowed_token_ids and min_tokens with stop tokens the target
+    would choose 4th to 6th (applied at tree nodes, min_tokens by the node's depth): output
+    equals the target alone's with the same parameters, and the trees of the requests
+    without penalties accept off the spine."""
+    from vllm import SamplingParams
+
+    plain = generate(str(PAIR / "target"), prompts=PROMPTS, max_tokens=40)["tokens"]
+    extra = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.4),
+             dict(frequency_penalty=1.0), dict(bad_words=[" the", " a"]),
+             dict(min_tokens=8, stop_token_ids=plain[4][3:6]),
+             dict(allowed_token_ids=list(range(0, 1024, 3)))]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, **extra[i])
+              for i in range(len(PROMPTS))]
+    alone, _ = run_llm(None, params)
+    trees, stats = run_llm(tree_spec(tree_budget=16), params)
+    assert [list(o.token_ids) for o in trees] == [list(o.token_ids) for o in alone]
+    # The parameters change the output; the stop tokens wait for min_tokens.
+    assert sum(list(o.token_ids) != t for o, t in zip(alone, plain)) >= 3
+    assert not set(plain[4][3:6]) & set(alone[4].token_ids[:8])
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+
+
+@pytest.mark.slow
+def test_structured_output_is_lossless() -> None:
+    """Regex and JSON-schema requests batched with plain ones: vLLM builds grammar masks
+    along the drafts in order, so they draft and are verified as chains; output equals the
+    target alone's and the regex is matched."""
+    import re
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    regex = r"[a-z]+( [a-z]+)*"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constraints = [StructuredOutputsParams(regex=regex), StructuredOutputsParams(json=schema),
+                   None]
+    params = [SamplingParams(temperature=0.0, max_tokens=24,
+                             structured_outputs=constraints[i % 3])
+              for i in range(len(PROMPTS))]
+    alone, _ = run_llm(None, params)
+    trees, stats = run_llm(tree_spec(tree_budget=16), params)
+    assert [list(o.token_ids) for o in trees] == [list(o.token_ids) for o in alone]
+    for o in trees[0::3]:
+        assert re.fullmatch(regex, o.text), o.text
+    assert stats["verified_rows"] > 0 and stats["longest_accepted"] >= 2, stats

@@ -23,6 +23,10 @@ def install_model_state(vllm_config: Any, target_model: Any, verifier: TreeVerif
     base = resolve_model_state_cls(vllm_config, target_model)
 
     class DDTreeModelState(base):
+        def add_request(self, req_index: int, new_req_data: Any) -> None:
+            super().add_request(req_index, new_req_data)
+            verifier.add_request(req_index, new_req_data.sampling_params)
+
         def preprocess_state(self, input_batch: Any, block_tables: Any, kv_cache_config: Any,
                              num_computed_tokens: Any) -> None:
             super().preprocess_state(input_batch, block_tables, kv_cache_config,

@@ -45,25 +45,48 @@ def _tree_attention_on_cpu() -> None:
 class TreeStore:
     """The trees drafted last, by request-state slot (row ``max_num_reqs`` takes padded
     rows): their links for the walk, and, in the ``TreeBatch`` TREE_ATTN reads, their
-    ancestor masks and depths."""
+    ancestor masks and depths.
 
-    def __init__(self, max_num_reqs: int, budget: int, device: torch.device) -> None:
+    Requests whose logits processing reads the drafts before a row as that row's history
+    (penalties, bad words: vLLM's kernels count the rows before it) or whose grammar masks
+    the scheduler builds along the drafts in order (structured output) draft the
+    drafter's greedy chain instead, in their first ``depth`` nodes, and are verified as a
+    chain: causal attention, chain positions, vLLM's own processing (``chain_only``, set per
+    request; ``chain``, how the stored drafts were built)."""
+
+    def __init__(self, max_num_reqs: int, budget: int, depth: int,
+                 device: torch.device) -> None:
         rows, nodes = max_num_reqs + 1, budget + 1
         self.padding_slot = max_num_reqs
         self.attention = TreeBatch(rows, budget, device)
         self.first_child = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
         self.next_sibling = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
+        self.chain_only = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.chain = torch.zeros(rows, dtype=torch.bool, device=device)
+        node = torch.arange(nodes, dtype=torch.int32, device=device)
+        self._chain_depths = node
+        self._chain_child = torch.where(node < depth, node + 1, -1).to(torch.int32)
+        self.depth = depth
 
     @property
     def depths(self) -> torch.Tensor:
         return self.attention.depths
 
-    def write(self, slots: torch.Tensor, trees: ops.DraftTrees) -> None:
+    def write(self, slots: torch.Tensor, trees: ops.DraftTrees,
+              greedy: torch.Tensor) -> torch.Tensor:
+        """Stores the trees (``greedy``: the drafter's argmax per depth, [R, depth]) and
+        returns the drafts, [R, budget]: the trees' nodes, or the greedy chain."""
         slots = torch.where(slots < 0, self.padding_slot, slots)
-        self.first_child[slots] = trees.first_child
-        self.next_sibling[slots] = trees.next_sibling
-        self.attention.depths[slots] = trees.depths
+        chain = self.chain_only[slots]
+        rows = chain[:, None]
+        drafts = trees.token_ids[:, 1:].clone()
+        drafts[:, :self.depth] = torch.where(rows, greedy, drafts[:, :self.depth])
+        self.first_child[slots] = torch.where(rows, self._chain_child, trees.first_child)
+        self.next_sibling[slots] = torch.where(rows, -1, trees.next_sibling)
+        self.attention.depths[slots] = torch.where(rows, self._chain_depths, trees.depths)
         self.attention.ancestor_mask[slots] = trees.ancestor_mask
+        self.chain[slots] = chain
+        return drafts
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -84,7 +107,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_idx_mapping = self.sample_idx_mapping[:rows]
         self.sample_col = self.sample_col.view(self.max_num_reqs, -1)[:, :self.depth].flatten()
         # draft_tokens stays [max_num_reqs, tree_budget]: the trees' nodes below the root.
-        self.trees = TreeStore(self.max_num_reqs, self.budget, device)
+        self.trees = TreeStore(self.max_num_reqs, self.budget, self.depth, device)
         self.verifier = TreeVerifier(self.trees, self.budget, self.depth)
         if device.type == "cpu":
             _tree_attention_on_cpu()
@@ -116,10 +139,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         logits = self.model.compute_logits(hidden_states[rows])
         step = self.num_query_per_req
         roots = self.input_buffers.input_ids[:num_reqs * step:step].to(torch.int64)
-        trees = ops.build_tree_from_logits(roots, logits.view(num_reqs, self.depth, -1),
-                                           self.budget, self.spine, self.widths)
-        self.draft_tokens[:num_reqs] = trees.token_ids[:, 1:]
-        self.trees.write(self.sample_idx_mapping[:num_reqs * self.depth:self.depth], trees)
+        logits = logits.view(num_reqs, self.depth, -1)
+        trees = ops.build_tree_from_logits(roots, logits, self.budget, self.spine, self.widths)
+        slots = self.sample_idx_mapping[:num_reqs * self.depth:self.depth]
+        self.draft_tokens[:num_reqs] = self.trees.write(slots, trees, logits.argmax(dim=-1))
 
     def propose(self, input_batch: Any, attn_metadata: dict[str, Any],
                 slot_mappings: dict[str, torch.Tensor], last_hidden_states: torch.Tensor,

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from vllm_ddtree import ops
@@ -36,6 +35,7 @@ class TreeStep:
 
     rows: torch.Tensor  # [num_logits] the logits rows' token rows
     delta: torch.Tensor  # [num_logits] tree position - chain position of each of them
+    chain_rows: torch.Tensor  # [num_logits] whether a row's request drafted a chain
     verdict: ops.Verdict | None = None
     roots: torch.Tensor | None = None  # [R + 1] each request's root row, then num_tokens
 
@@ -64,10 +64,20 @@ class TreeVerifier:
         self.sampler = sampler
         return self
 
+    def add_request(self, req_index: int, params: Any) -> None:
+        """A new request in slot ``req_index``: whether it drafts trees or the chain
+        (TreeStore)."""
+        if params is None:
+            return
+        from vllm.v1.worker.gpu.sample.penalties import use_penalty
+
+        self.trees.chain_only[req_index] = bool(
+            use_penalty(params) or params.bad_words_token_ids
+            or params.structured_outputs is not None)
+
     def begin_step(self, input_batch: Any) -> None:
         self.step = None
-        drafts = input_batch.num_draft_tokens_per_req
-        if not input_batch.num_draft_tokens or drafts is None:
+        if not input_batch.num_draft_tokens:
             self.trees.attention.clear()
             return
         rows = input_batch.logits_indices
@@ -76,10 +86,11 @@ class TreeVerifier:
         delta = self.trees.depths[slots, local].long() - local
         positions = input_batch.positions
         positions[rows] += delta
-        tree_index = np.where(drafts[:input_batch.num_reqs] > 0,
-                              input_batch.idx_mapping_np, -1)
-        self.trees.attention.point(torch.from_numpy(tree_index.astype(np.int32)))
-        self.step = TreeStep(rows, delta)
+        # A request's rows are a tree when it has drafts and they were not a chain.
+        cu = input_batch.cu_num_logits
+        is_tree = (cu[1:] - cu[:-1] > 1) & ~self.trees.chain[input_batch.idx_mapping]
+        self.trees.attention.point(torch.where(is_tree, input_batch.idx_mapping, -1))
+        self.step = TreeStep(rows, delta, chain_rows=self.trees.chain[slots])
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, input_batch: Any,
@@ -95,10 +106,14 @@ class TreeVerifier:
 
             num_nans = get_num_nans(logits)
         ids = input_batch.input_ids[step.rows]
+        # vLLM's processing counts the drafts before a row as its history: right for a
+        # chain; a tree's node is processed on the committed history alone, which is
+        # exact for the processing a tree request may have (TreeStore.chain_only).
+        local = input_batch.expanded_local_pos
         choice, _ = sampler.sample(
             logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
             input_batch.idx_mapping_np, input_batch.positions[step.rows], ids,
-            torch.zeros_like(input_batch.expanded_local_pos),
+            torch.where(step.chain_rows, local, 0),
             input_batch.seq_lens_cpu_upper_bound.numpy())
         # Per request, its nodes in order (root first); -1 past a request's nodes.
         cu = input_batch.cu_num_logits.long()

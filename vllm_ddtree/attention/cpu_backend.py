@@ -224,7 +224,7 @@ class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata = TreeAttentionCPUMetadata(**base.__dict__)
         trees = tree_batch.current(self.vllm_config)
         num_reqs = common_attn_metadata.num_reqs
-        if trees is None or not trees.sees(self.layer_names):
+        if trees is None or not trees.sees(getattr(self, "layer_names", ())):
             return metadata
         index = trees.tree_index[:num_reqs]
         kinds = index.tolist()

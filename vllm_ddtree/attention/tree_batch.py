@@ -9,6 +9,7 @@ the engine, TREE_ATTN is plain causal attention.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -44,9 +45,10 @@ class TreeBatch:
         self.tree_index[:n].copy_(tree_index)
         self.tree_index[n:].fill_(-1)
 
-    def sees(self, layer_names: list[str]) -> bool:
-        """Whether a metadata builder of these layers builds tree metadata."""
-        return not set(layer_names) <= self.excluded_layers
+    def sees(self, layer_names: Collection[str]) -> bool:
+        """Whether a metadata builder of these layers builds tree metadata (vLLM 0.32's
+        builders do not name their layers: they all do)."""
+        return not layer_names or not set(layer_names) <= self.excluded_layers
 
     def clear(self) -> None:
         self.tree_index.fill_(-1)

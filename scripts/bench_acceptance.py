@@ -119,6 +119,17 @@ def install_timers(llm, timers: StepTimers) -> None:
 
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
+    if hasattr(runner, "speculator") or not hasattr(runner, "drafter"):  # Model Runner V2
+        # The target model's forward (eager: no graph to time at its call site), the
+        # speculator's drafting and the verifier in the rejection sampler's place.
+        timers.wrap(runner.model, "forward", "verify forward")
+        timers.wrap(getattr(runner, "speculator", None), "propose",
+                    "draft (incl. tree build)")
+        timers.wrap(vllm_ddtree.ops, "build_tree_from_logits", "tree build")
+        name = ("walk + compaction" if hasattr(runner.rejection_sampler, "verified_rows")
+                else "chain rejection")
+        timers.wrap(runner, "rejection_sampler", name)
+        return
     # The target's forward, once per step (the runner's call site, so that a CUDA-graph
     # replay is timed too).
     timers.wrap(runner, "_model_forward", "verify forward")
@@ -140,13 +151,26 @@ def counters(llm) -> dict:
     return out
 
 
+def for_installed_vllm(spec: dict | None) -> dict | None:
+    """A mode's speculative config as the installed vLLM takes it: on vLLM 0.34 (Model
+    Runner V2, vllm_ddtree/spec_decode/) the tree fields go under speculator_options."""
+    from importlib.metadata import version
+
+    if spec is None or spec["method"] != "ddtree" or version("vllm").startswith("0.32"):
+        return spec
+    from vllm_ddtree.spec_decode.config import with_speculator_options
+
+    return with_speculator_options(spec)
+
+
 def run_mode(args, name: str, spec: dict | None, prompts: list, concurrency: int) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
     device = {"gpu_memory_utilization": args.gpu_memory_utilization} \
         if torch.cuda.is_available() else {}
-    llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype, seed=0,
+    llm = LLM(model=args.target, speculative_config=for_installed_vllm(spec), dtype=args.dtype,
+              seed=0,
               max_model_len=args.max_model_len, max_num_seqs=concurrency,
               enforce_eager=not args.cuda_graphs, disable_log_stats=False, **device)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

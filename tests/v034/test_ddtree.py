@@ -105,6 +105,21 @@ def test_settings_trees_cannot_honour_are_refused_by_name(spec: dict, named: str
         args.create_engine_config()
 
 
+@pytest.mark.parametrize(("engine", "named"), [
+    (dict(logprobs_mode="processed_logprobs"), "logprobs_mode"),
+    (dict(logits_processors=["vllm.v1.sample.logits_processor.MinPLogitsProcessor"]),
+     "logits_processors"),
+])
+def test_engine_settings_trees_cannot_honour_are_refused_by_name(engine: dict,
+                                                                 named: str) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(PAIR / "target"), max_model_len=512,
+                      speculative_config=tree_spec(tree_budget=16), **engine)
+    with pytest.raises(Exception, match=named):
+        args.create_engine_config()
+
+
 def test_the_resolved_options_are_in_the_config(tmp_path: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
 

@@ -52,6 +52,18 @@ class TreeOptions:
             self.tree_width,)
 
 
+def with_speculator_options(spec: dict) -> dict:
+    """The documented form of a ddtree speculative config (tree fields at the top level, as
+    the pinned vLLM's patched config takes them) as vLLM 0.34 takes it: under
+    ``speculator_options``."""
+    spec = dict(spec)
+    options = dict(spec.pop("speculator_options", None) or {})
+    for name in OPTION_NAMES:
+        if name in spec:
+            options[name] = spec.pop(name)
+    return spec | ({"speculator_options": options} if options else {})
+
+
 def tree_options(spec: Any) -> TreeOptions:
     """The resolved tree fields of a configured speculative config."""
     options = spec.speculator_options or {}
@@ -100,6 +112,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
                              f"{hf.vocab_size} tokens, the target {target.get_vocab_size()}: "
                              f"they must match")
+        _refuse_target_settings(target, cls.method_name)
         if target.is_hybrid or target.has_inner_state:
             raise ValueError(f"speculative_config.method {cls.method_name!r}: the target "
                              f"{target.model!r} has recurrent layers, which the vLLM 0.34 "
@@ -172,6 +185,20 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
     def hash_factors(self) -> list[Any]:
         options = self.spec_config.speculator_options or {}
         return [(k, str(options.get(k))) for k in OPTION_NAMES]
+
+
+def _refuse_target_settings(model: Any, method: str) -> None:
+    """Engine-wide logits settings the tree verifier does not apply: refused, not left to
+    change the output silently."""
+    if model.logprobs_mode.startswith("processed"):
+        raise ValueError(f"model_config.logprobs_mode is {model.logprobs_mode!r}: method "
+                         f"{method!r} returns raw_logprobs or raw_logits only")
+    if model.logits_processors:
+        raise ValueError(f"model_config.logits_processors: method {method!r} does not run "
+                         f"custom logits processors at tree nodes; leave them unset")
+    if model.return_sampling_mask:
+        raise ValueError(f"model_config.return_sampling_mask is not supported with method "
+                         f"{method!r}")
 
 
 class JetSpecSpeculatorConfig(DDTreeSpeculatorConfig):

@@ -48,7 +48,8 @@ class TreeStore:
     ancestor masks and depths.
 
     Requests whose logits processing reads the drafts before a row as that row's history
-    (penalties, bad words: vLLM's kernels count the rows before it) or whose grammar masks
+    (penalties, bad words, a thinking budget: vLLM's kernels count the rows before it) or
+    whose grammar masks
     the scheduler builds along the drafts in order (structured output) draft the
     drafter's greedy chain instead, in their first ``depth`` nodes, and are verified as a
     chain: causal attention, chain positions, vLLM's own processing (``chain_only``, set per

@@ -73,7 +73,8 @@ class TreeVerifier:
 
         self.trees.chain_only[req_index] = bool(
             use_penalty(params) or params.bad_words_token_ids
-            or params.structured_outputs is not None)
+            or params.structured_outputs is not None
+            or params.thinking_token_budget is not None)
 
     def begin_step(self, input_batch: Any) -> None:
         self.step = None

@@ -210,18 +210,18 @@ def test_the_runner_compacts_a_cache_group_as_its_attention_lays_it_out() -> Non
 
     from vllm_ddtree.attention.backend import TreeAttentionImpl
     from vllm_ddtree.attention.cpu_backend import CPUAttnCompaction, TreeAttentionCPUImpl
-    from vllm_ddtree.runner import _kv_compaction
+    from vllm_ddtree.spec_decode.compaction import kv_compaction
 
     def layer(cls: type) -> SimpleNamespace:
         return SimpleNamespace(impl=cls.__new__(cls), isa="vec")
 
     cache = torch.zeros(4, 2, 16, 64)
-    assert callable(_kv_compaction([(layer(TreeAttentionImpl), cache)]))
-    assert isinstance(_kv_compaction([(layer(TreeAttentionCPUImpl), cache)]), CPUAttnCompaction)
+    assert callable(kv_compaction([(layer(TreeAttentionImpl), cache)]))
+    assert isinstance(kv_compaction([(layer(TreeAttentionCPUImpl), cache)]), CPUAttnCompaction)
 
     class OtherImpl:
         pass
 
     for impls in ([OtherImpl], [TreeAttentionImpl, TreeAttentionCPUImpl]):
         with pytest.raises(RuntimeError, match="OtherImpl|TreeAttentionCPUImpl"):
-            _kv_compaction([(layer(cls), cache) for cls in impls])
+            kv_compaction([(layer(cls), cache) for cls in impls])

@@ -23,7 +23,12 @@ class SyntheticAcceptance:
     """Per-depth acceptance rates on the device, made once, and the step's override."""
 
     def __init__(self, rates: list[float], device: torch.device) -> None:
-        from vllm.v1.spec_decode.utils import unconditional_to_conditional_rates
+        try:  # vLLM 0.34 (Model Runner V2)
+            from vllm.v1.worker.gpu.spec_decode.rejection_sampler import (
+                unconditional_to_conditional_rates,
+            )
+        except ImportError:
+            from vllm.v1.spec_decode.utils import unconditional_to_conditional_rates
 
         self.depth = len(rates)
         # Built once at construction: a tensor from a list per step would sync the stream.

@@ -191,3 +191,35 @@ def test_structured_output_is_lossless() -> None:
     for o in trees[0::3]:
         assert re.fullmatch(regex, o.text), o.text
     assert stats["verified_rows"] > 0 and stats["longest_accepted"] >= 2, stats
+
+
+@pytest.mark.slow
+def test_synthetic_acceptance_gives_the_requested_per_depth_rates() -> None:
+    """Benchmarking mode: per-depth rates [1, 1, 0.5] (and 0 below) at depth 7: every
+    verify step accepts 2 or 3 drafts, a fair coin between them; the paths are drawn among
+    the tree's nodes, off the spine too."""
+    spec = tree_spec(tree_budget=16) | {"rejection_sample_method": "synthetic",
+                                        "synthetic_acceptance_rates": [1, 1, 0.5, 0, 0, 0, 0]}
+    run = generate(str(PAIR / "target"), spec=spec, prompts=PROMPTS, max_tokens=64)
+    n, accepted = run["drafts"], run["accepted"]
+    assert n >= 100 and run["trees"]["longest_accepted"] == 3, run
+    assert run["trees"]["paths_off_the_index_line"] > 0, run["trees"]
+    # accepted = 2n + Binomial(n, 0.5): within 4 standard deviations (0.5 sqrt(n)).
+    assert abs(accepted - 2.5 * n) <= 4 * 0.5 * n ** 0.5, (accepted, n)
+
+
+def test_synthetic_rates_are_per_depth_and_vllm_sees_them_padded() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = tree_spec(tree_budget=16) | {"rejection_sample_method": "synthetic",
+                                        "synthetic_acceptance_length": 2.5}
+    config = EngineArgs(model=str(PAIR / "target"), max_model_len=512,
+                        speculative_config=spec).create_engine_config().speculative_config
+    assert len(config.synthetic_acceptance_rates) == 16
+    assert sum(config.synthetic_acceptance_rates) == pytest.approx(1.5)
+    assert not any(config.synthetic_acceptance_rates[7:])
+    bad = tree_spec(tree_budget=16) | {"rejection_sample_method": "synthetic",
+                                       "synthetic_acceptance_rates": [0.5] * 9}
+    with pytest.raises(Exception, match="synthetic_acceptance_rates.*tree_depth = 7"):
+        EngineArgs(model=str(PAIR / "target"), max_model_len=512,
+                   speculative_config=bad).create_engine_config()

@@ -97,9 +97,10 @@ def main(version: str) -> int:
         stamp.write_text(f"{library.name}\n")
     else:
         say(f"vLLM {VLLM_VERSION} CPU stand-in already installed")
-    # The test tools (tests/v034 run here).
-    if not all(importlib.util.find_spec(m) for m in ("pytest", "xdist", "hypothesis")):
-        pip("pytest", "pytest-xdist", "hypothesis")
+    # The test tools (tests/v034 run here), and the benchmarks' plotting.
+    if not all(importlib.util.find_spec(m)
+               for m in ("pytest", "xdist", "hypothesis", "matplotlib")):
+        pip("pytest", "pytest-xdist", "hypothesis", "matplotlib")
     # The settings, at every start of this environment's Python (activate.py).
     (site / PTH_NAME).write_text(f"{REPO_ROOT}\nimport vllm_ddtree.cpu_standin.activate\n")
     install_plugin_entry_point(site)

@@ -76,9 +76,8 @@ _REFUSED = (
     ("enable_adaptive_verification", False, "trees are sized by tree_budget, not per request"),
     ("draft_sample_method", "greedy", "trees are built from the drafter's top-k "
      "log-probabilities"),
-    ("rejection_sample_method", "standard", "trees are verified by walking the target's "
-     "choice at every node (block and FLy verification, and synthetic acceptance, are "
-     "chain rules)"),
+    ("rejection_sample_method", ("standard", "synthetic"), "trees are verified by walking "
+     "the target's choice at every node; block and FLy verification are chain rules"),
 )
 
 
@@ -119,6 +118,8 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                              f"port does not verify over trees yet; use method 'dflash'")
         spec.num_speculative_tokens = options.tree_budget
         spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
+        if spec.rejection_sample_method == "synthetic":
+            _synthetic_rates_per_depth(spec, options, cls.method_name)
 
     @classmethod
     def _drafter_block_size(cls, spec: Any) -> int:
@@ -138,10 +139,11 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
     @classmethod
     def _read_options(cls, spec: Any) -> TreeOptions:
         for name, off, why in _REFUSED:
-            if getattr(spec, name) != off:
+            allowed = off if isinstance(off, tuple) else (off,)
+            if getattr(spec, name) not in allowed:
                 raise ValueError(f"speculative_config.{name} is {getattr(spec, name)!r}: "
                                  f"method {cls.method_name!r} does not support it ({why}); "
-                                 f"leave it {off!r}")
+                                 f"leave it {allowed[0]!r}")
         if spec.model is None:
             raise ValueError(f"speculative_config.model: method {cls.method_name!r} needs a "
                              f"DFlash drafter checkpoint (the same ones method 'dflash' takes)")
@@ -185,6 +187,28 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
     def hash_factors(self) -> list[Any]:
         options = self.spec_config.speculator_options or {}
         return [(k, str(options.get(k))) for k in OPTION_NAMES]
+
+
+def _synthetic_rates_per_depth(spec: Any, options: TreeOptions, method: str) -> None:
+    """Synthetic acceptance (benchmarking only, vllm_ddtree/synthetic.py): the user's rates
+    or mean length are per tree depth, checked by vLLM's own rules against tree_depth; vLLM
+    checks them again against num_speculative_tokens (tree_budget), so it gets the per-depth
+    rates padded with zeros to tree_budget (no path is deeper)."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    if spec.synthetic_acceptance_length is None and spec.synthetic_acceptance_rates is not None \
+            and len(spec.synthetic_acceptance_rates) == options.tree_budget > options.tree_depth:
+        return  # padded before (vLLM re-runs __post_init__)
+    try:
+        rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(
+            options.tree_depth, spec.synthetic_acceptance_rates,
+            spec.synthetic_acceptance_length)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.{e} (method {method!r}: one rate per tree "
+                         f"depth, tree_depth = {options.tree_depth}; synthetic acceptance "
+                         f"is a benchmarking mode, never for serving)") from e
+    spec.synthetic_acceptance_rates = rates + [0.0] * (options.tree_budget - options.tree_depth)
+    spec.synthetic_acceptance_length = None
 
 
 def _refuse_target_settings(model: Any, method: str) -> None:

@@ -62,6 +62,7 @@ class TreeStore:
         self.attention = TreeBatch(rows, budget, device)
         self.first_child = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
         self.next_sibling = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
+        self.parents = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
         self.chain_only = torch.zeros(rows, dtype=torch.bool, device=device)
         self.chain = torch.zeros(rows, dtype=torch.bool, device=device)
         node = torch.arange(nodes, dtype=torch.int32, device=device)
@@ -84,6 +85,7 @@ class TreeStore:
         drafts[:, :self.depth] = torch.where(rows, greedy, drafts[:, :self.depth])
         self.first_child[slots] = torch.where(rows, self._chain_child, trees.first_child)
         self.next_sibling[slots] = torch.where(rows, -1, trees.next_sibling)
+        self.parents[slots] = torch.where(rows, self._chain_depths - 1, trees.parents)
         self.attention.depths[slots] = torch.where(rows, self._chain_depths, trees.depths)
         self.attention.ancestor_mask[slots] = trees.ancestor_mask
         self.chain[slots] = chain

@@ -12,9 +12,10 @@
 3. ``compact_hidden_states`` (the speculator's ``propose``): the accepted path's hidden
    states moved likewise, so DFlash's context rows are the accepted path.
 
-Not yet on this path (the V1 runner has them): penalties, bad words and min_tokens see the
-chain's rows, not a node's path (vLLM's processors count the drafts before a row); the
-walk's own min_tokens; structured output; synthetic acceptance; recurrent (GDN) targets.
+Requests whose processing reads the drafts before a row as its history draft chains and
+are verified as chains (TreeStore). Synthetic acceptance (benchmarking only) overrides the
+target's choices along a drawn path (vllm_ddtree/synthetic.py). Not on this path yet:
+recurrent (GDN) targets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from vllm_ddtree import ops
 from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.spec_decode.compaction import target_kv_compactions
+from vllm_ddtree.synthetic import SyntheticAcceptance
 
 
 @dataclass
@@ -44,6 +46,7 @@ class TreeVerifier:
     def __init__(self, trees: Any, budget: int, depth: int) -> None:
         self.trees, self.budget, self.max_depth = trees, budget, min(depth, budget)
         self.sampler: Any = None
+        self.synthetic: SyntheticAcceptance | None = None
         self.step: TreeStep | None = None
         self._compactions: list | None = None
         # Counters (stats() reads them): verify steps of requests, the longest accepted
@@ -59,6 +62,10 @@ class TreeVerifier:
         self.block_tables, self.draft_layers = block_tables, set(draft_layers)
         self.trees.attention.excluded_layers = self.draft_layers
         tree_batch.install(vllm_config, self.trees.attention)
+        spec = vllm_config.speculative_config
+        if spec.rejection_sample_method == "synthetic":  # benchmarking only
+            self.synthetic = SyntheticAcceptance(
+                spec.synthetic_acceptance_rates[:self.max_depth], self.trees.parents.device)
 
     def with_sampler(self, sampler: Any) -> TreeVerifier:
         self.sampler = sampler
@@ -125,9 +132,13 @@ class TreeVerifier:
         token_ids = torch.where(valid, ids[at].long(), -1)
         choices = torch.where(valid, choice[at].long(), -1)
         slots = input_batch.idx_mapping
+        first_child = self.trees.first_child[slots]
+        if self.synthetic is not None:  # a drawn path is accepted, not the target's
+            choices, first_child = self.synthetic.override(
+                choices, token_ids, self.trees.parents[slots], self.trees.depths[slots],
+                first_child, valid)
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
-            token_ids, self.trees.first_child[slots], self.trees.next_sibling[slots],
-            choices, self.max_depth))
+            token_ids, first_child, self.trees.next_sibling[slots], choices, self.max_depth))
         logprobs = self._logprobs(logits, input_batch, verdict, cu)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (verdict.num_accepted + 1).to(torch.int32), input_batch.seq_lens,

@@ -223,3 +223,46 @@ def test_synthetic_rates_are_per_depth_and_vllm_sees_them_padded() -> None:
     with pytest.raises(Exception, match="synthetic_acceptance_rates.*tree_depth = 7"):
         EngineArgs(model=str(PAIR / "target"), max_model_len=512,
                    speculative_config=bad).create_engine_config()
+
+
+TP_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+
+pair, method = sys.argv[1], sys.argv[2]
+spec = None if method == "none" else {"method": method, "model": pair + "/drafter",
+                                      "speculator_options": {"tree_budget": 16}}
+llm = LLM(model=pair + "/target", enforce_eager=True, max_model_len=256, seed=0,
+          dtype="float32", tensor_parallel_size=2, speculative_config=spec,
+          disable_log_stats=False)
+outputs = llm.generate([f"def f{i}(x):" for i in range(6)],
+                       SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)
+metrics = {m.name: m for m in llm.get_metrics()}
+accepted = metrics.get("vllm:spec_decode_num_accepted_tokens")
+print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                              "accepted": accepted.value if accepted else 0}))
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_is_lossless() -> None:
+    """The target and the drafter sharded over two ranks (worker processes, which load the
+    plugin by entry point): every rank builds, verifies and compacts the same trees."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+
+    def run(method: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(PAIR), method], env=env,
+                              text=True, capture_output=True, timeout=900)
+        lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+        assert done.returncode == 0 and lines, done.stderr[-4000:]
+        return json.loads(lines[-1].removeprefix("RESULT "))
+
+    plain, trees = run("none"), run("ddtree")
+    assert trees["tokens"] == plain["tokens"] and trees["accepted"] > 0, trees

@@ -1,9 +1,11 @@
 """`vllm serve` of the 0.34 stand-in environment, started as users start it (no settings by
-hand, the engine in its own process), answers the `openai` client with the target's own
-greedy tokens under dflash, and a bad request gets a 400 while the server keeps serving."""
+hand, the engine in its own process, which loads vllm_ddtree as a plugin by entry point),
+answers the `openai` client with the target's own greedy tokens under dflash and under
+ddtree, and a bad request gets a 400 while the server keeps serving."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,12 +19,20 @@ from test_ddtree_serve import free_port
 
 from vllm_ddtree.cpu_standin import SETTINGS
 
-pytestmark = pytest.mark.slow
+# One worker starts each server (module-scoped fixtures are per xdist worker).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("v034_serve")]
 PAIR = REPO / "models" / "tiny-pair"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+SPECS = {
+    "dflash": {"method": "dflash", "model": str(PAIR / "drafter"), "num_speculative_tokens": 7},
+    "ddtree": {"method": "ddtree", "model": str(PAIR / "drafter"),
+               "speculator_options": {"tree_budget": 16}},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {k: v for k, v in os.environ.items()
@@ -33,8 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
             [str(Path(sys.executable).parent / "vllm"), "serve", str(PAIR / "target"),
              "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
              "--max-model-len", "512", "--enforce-eager", "--speculative-config",
-             f'{{"method": "dflash", "model": "{PAIR / "drafter"}", '
-             '"num_speculative_tokens": 7}'],
+             json.dumps(SPECS[request.param])],
             env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -70,6 +79,10 @@ def test_openai_client_gets_the_targets_greedy_tokens(server: str) -> None:
     text = tokenizer.decode(want["tokens"][0])
     assert reply.choices[0].text == text, (reply.choices[0].text, text, served)
     assert reply.usage.completion_tokens == 24
+    metrics = urllib.request.urlopen(server + "/metrics", timeout=10).read().decode()
+    accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert accepted and accepted[0] > 0, "no draft accepted"
 
 
 def test_a_bad_request_is_a_400_and_the_server_keeps_serving(server: str) -> None:

@@ -266,3 +266,67 @@ def test_tensor_parallel_2_is_lossless() -> None:
 
     plain, trees = run("none"), run("ddtree")
     assert trees["tokens"] == plain["tokens"] and trees["accepted"] > 0, trees
+
+
+# The port's code that runs inside the decode step (on a GPU: inside or between graphs).
+STEP_FILES = ("spec_decode/speculator.py", "spec_decode/verifier.py",
+              "spec_decode/model_state.py", "spec_decode/compaction.py", "synthetic.py",
+              "ops.py", "tree.py", "attention/tree_batch.py")
+
+
+def _bool_index(index: object) -> bool:
+    import torch
+
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+
+
+@pytest.mark.slow
+def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host sync (.item(), .tolist(), .cpu(), a tensor's truth value, a boolean-mask
+    index: a data-dependent shape) inside the step stalls the GPU and breaks CUDA-graph
+    capture. Every such call made from the port's step files, with greedy and sampled
+    requests, logprobs, chains for penalties and bad words, min_tokens and
+    allowed_token_ids, is recorded: there must be none (the CPU attention backend's own
+    planning is host work by design, and not among them)."""
+    import sys
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    pkg = str(REPO / "vllm_ddtree") + "/"
+    calls: list[str] = []
+
+    def record(name: str, original, check=None):  # noqa: ANN001, ANN202
+        def wrapper(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            caller = sys._getframe(1).f_code
+            where = caller.co_filename.removeprefix(pkg)
+            if where in STEP_FILES and (check is None or check(*args)) and (
+                    caller.co_name != "_host_seq_lens"):  # a host tensor by contract
+                calls.append(f"{name} in {where}:{caller.co_name}")
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
+              dtype="float32", max_num_seqs=8, speculative_config=tree_spec(tree_budget=16))
+    for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__",
+                 "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, record(name, getattr(torch.Tensor, name)))
+    for name in ("__getitem__", "__setitem__"):
+        monkeypatch.setattr(torch.Tensor, name, record(
+            f"boolean-mask {name}", getattr(torch.Tensor, name),
+            lambda index, *_: _bool_index(index)))
+    sampled = dict(temperature=0.8, seed=1, logprobs=2)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, **kw) for kw in [
+        dict(temperature=0.0, logprobs=1), sampled,
+        dict(temperature=0.0, min_tokens=6, stop_token_ids=[5]),
+        dict(temperature=0.0, allowed_token_ids=list(range(0, 1024, 3))),
+        dict(temperature=0.0, presence_penalty=0.5, bad_words=["the"]),
+        dict(temperature=0.0)]]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) >= 6 for o in outputs)
+    assert calls == [], sorted(set(calls))
+    verifier = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner.speculator.verifier
+    assert verifier.stats()["verified_rows"] > 0  # the read-out syncs, outside the step
+    assert calls == ["__int__ in spec_decode/verifier.py:stats"] * 2, calls

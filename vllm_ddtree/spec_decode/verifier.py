@@ -121,8 +121,7 @@ class TreeVerifier:
         choice, _ = sampler.sample(
             logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
             input_batch.idx_mapping_np, input_batch.positions[step.rows], ids,
-            torch.where(step.chain_rows, local, 0),
-            input_batch.seq_lens_cpu_upper_bound.numpy())
+            torch.where(step.chain_rows, local, 0), _host_seq_lens(input_batch))
         # Per request, its nodes in order (root first); -1 past a request's nodes.
         cu = input_batch.cu_num_logits.long()
         node = torch.arange(self.budget + 1, device=logits.device)
@@ -167,15 +166,16 @@ class TreeVerifier:
             return None
         num_logprobs, max_token_ids = dims
         R, width = verdict.output_tokens.shape
+        L, dev = logits.shape[0], logits.device
         path = torch.cat([verdict.accepted.new_zeros(R, 1), verdict.accepted], dim=1)
-        j = torch.arange(width, device=logits.device)
+        j = torch.arange(width, device=dev)
         emitted = j < (verdict.num_accepted + 1)[:, None]
-        dst = (cu[:-1, None] + j)[emitted]
-        src = (cu[:-1, None] + path.long())[emitted]
-        order = torch.arange(logits.shape[0], device=logits.device)
-        order[dst] = src
-        flat = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-        flat[dst] = verdict.output_tokens[emitted]
+        # Scattered with the rest sent to a spare row L: fixed shapes, no host sync.
+        dst = torch.where(emitted, cu[:-1, None] + j, L).flatten()
+        src = torch.where(emitted, cu[:-1, None] + path.long(), L).flatten()
+        order = torch.arange(L + 1, device=dev).scatter_(0, dst, src)[:L]
+        flat = torch.zeros(L + 1, dtype=torch.int64, device=dev).scatter_(
+            0, dst, verdict.output_tokens.flatten().clamp(min=0))[:L]
         return compute_topk_scores(
             logits[order], num_logprobs, flat, input_batch.cu_num_logits_np.tolist(),
             logprob_token_ids_state=sampler.logprob_token_ids_state,
@@ -216,3 +216,9 @@ class TreeVerifier:
             return {"verified_rows": 0, "longest_accepted": 0, "paths_off_the_index_line": 0}
         return {"verified_rows": self.verified_rows, "longest_accepted": int(self._longest),
                 "paths_off_the_index_line": int(self._off_line)}
+
+
+def _host_seq_lens(input_batch: Any) -> Any:
+    """The batch's sequence-length upper bounds as numpy: a tensor vLLM keeps on the host
+    (its own rejection sampler reads it the same way), so no device sync."""
+    return input_batch.seq_lens_cpu_upper_bound.numpy()

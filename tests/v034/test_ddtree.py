@@ -330,3 +330,30 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) ->
         .model_runner.speculator.verifier
     assert verifier.stats()["verified_rows"] > 0  # the read-out syncs, outside the step
     assert calls == ["__int__ in spec_decode/verifier.py:stats"] * 2, calls
+
+
+@pytest.mark.slow
+def test_chunked_prefill_and_preemption_stay_lossless() -> None:
+    """Requests of different lengths finishing at different steps, long prompts prefilled in
+    chunks next to verify steps, prefix caching on, and preemption under a tiny KV cache
+    (a preempted request is re-added and prefilled again, then drafts anew)."""
+    from vllm import LLM, SamplingParams
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    prompts = [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
+               for i in range(12)]
+    prompts += [prompts[0] + " and more", prompts[1] + " again"]  # shared prefixes
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 5), ignore_eos=True)
+              for i in range(len(prompts))]
+    settings = dict(model=str(PAIR / "target"), enforce_eager=True, max_model_len=256,
+                    seed=0, dtype="float32", block_size=32)
+    alone = LLM(**settings).generate(prompts, params, use_tqdm=False)
+    llm = LLM(**settings, max_num_seqs=6, max_num_batched_tokens=64,
+              num_gpu_blocks_override=10, disable_log_stats=False,
+              speculative_config=tree_spec(tree_budget=12))
+    trees = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in trees] == [
+        list(o.outputs[0].token_ids) for o in alone]
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0

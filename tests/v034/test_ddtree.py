@@ -357,3 +357,30 @@ def test_chunked_prefill_and_preemption_stay_lossless() -> None:
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_async_scheduling_is_lossless(target_alone: dict,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU platform turns async scheduling off, but on a GPU it is on by default (the
+    scheduler then schedules a step before the last one's tokens are on the host): turned
+    back on, trees are still accepted deep and off the spine, and output is the target's."""
+    from engine_runs import tree_stats
+    from vllm import LLM, SamplingParams
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async(cls, vllm_config) -> None:  # noqa: ANN001
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
+    llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
+              dtype="float32", max_num_seqs=8, speculative_config=tree_spec(tree_budget=16))
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == target_alone["tokens"]
+    stats = tree_stats(llm)
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats

@@ -384,3 +384,36 @@ def test_async_scheduling_is_lossless(target_alone: dict,
     assert [list(o.outputs[0].token_ids) for o in outputs] == target_alone["tokens"]
     stats = tree_stats(llm)
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("busy", [4, 0])
+def test_dynamic_speculative_decoding_cuts_trees_losslessly(busy: int) -> None:
+    """vLLM's num_speculative_tokens_per_batch_size picks the nodes verified per batch size:
+    16 for up to 5 scheduled requests, ``busy`` (4, a prefix of the tree, or no drafts) for
+    6-8. Requests of different lengths: the batch shrinks from 8 to 1 as they finish."""
+    from vllm import SamplingParams
+
+    prompts = PROMPTS + ["class Stack:", "while True:"]
+    lengths = [40 - (5 * i) % 13 for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    spec = tree_spec(tree_budget=16) | {
+        "num_speculative_tokens_per_batch_size": [(1, 5, 16), (6, 8, busy)]}
+    from engine_runs import tree_stats
+    from vllm import LLM
+
+    def run(spec: dict | None) -> tuple[list, object]:
+        llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
+                  dtype="float32", max_num_seqs=8, disable_log_stats=False,
+                  speculative_config=spec)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(
+            prompts, params, use_tqdm=False)], llm
+
+    alone, _ = run(None)
+    trees, llm = run(spec)
+    assert trees == alone
+    assert tree_stats(llm)["longest_accepted"] >= 3
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    drafts, nodes = (metrics[f"vllm:spec_decode_num_{k}"] for k in ("drafts", "draft_tokens"))
+    big, rest = divmod(nodes - busy * drafts, 16 - busy)  # nodes = 16 big + busy (drafts - big)
+    assert rest == 0 and 0 < big <= drafts and (big < drafts) == (busy > 0), (nodes, drafts)

@@ -95,7 +95,8 @@ class TreeStore:
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
-    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+    def __init__(self, vllm_config: Any, device: torch.device, req_states: Any = None) -> None:
+        self.req_states = req_states  # the runner's; read by tests' oracle drafters only
         options = tree_options(vllm_config.speculative_config)
         # The base class sizes its buffers by num_speculative_tokens (tree_budget) drafter
         # steps; the drafter drafts tree_depth. Read before: _num_graph_context_tokens.
@@ -139,13 +140,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
                                         num_tokens_across_dp, cudagraph_runtime_mode)
         rows = self.sample_indices[:num_reqs * self.depth]
-        logits = self.model.compute_logits(hidden_states[rows])
+        logits = self.draft_logits_at(hidden_states[rows])
         step = self.num_query_per_req
         roots = self.input_buffers.input_ids[:num_reqs * step:step].to(torch.int64)
         logits = logits.view(num_reqs, self.depth, -1)
         trees = ops.build_tree_from_logits(roots, logits, self.budget, self.spine, self.widths)
         slots = self.sample_idx_mapping[:num_reqs * self.depth:self.depth]
         self.draft_tokens[:num_reqs] = self.trees.write(slots, trees, logits.argmax(dim=-1))
+
+    def draft_logits_at(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits, ``[num_reqs * tree_depth, vocab]``, request-major."""
+        return self.model.compute_logits(hidden_states)
 
     def propose(self, input_batch: Any, attn_metadata: dict[str, Any],
                 slot_mappings: dict[str, torch.Tensor], last_hidden_states: torch.Tensor,

@@ -92,3 +92,41 @@ def test_other_target_families_are_lossless(tiny_models: Path, tmp_path: Path,
 
     assert_lossless_with_the_oracle(other_target_pair(tiny_models, tmp_path, family),
                                     monkeypatch, seed=9)
+
+
+def test_lora_requests_are_lossless(tiny_models: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half the requests with a LoRA adapter (the target's output changes), trees accepted
+    deep and off the spine (the oracle drafter, shown the adapted continuations): output
+    equals the target alone's with the same adapter."""
+    from engine_runs import tree_stats
+    from test_ddtree_engine import random_lora
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from vllm_ddtree.spec_decode.speculator import DDTreeSpeculator
+
+    adapter = random_lora(tiny_models / "target", tmp_path / "lora")
+    loras = [LoRARequest("random", 1, str(adapter)) if i % 2 == 0 else None
+             for i in range(len(PROMPTS))]
+
+    def run(spec: dict | None) -> tuple[list, object]:
+        llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
+                  seed=0, dtype="float32", max_num_seqs=8, speculative_config=spec,
+                  enable_lora=True, max_lora_rank=8, max_loras=1)
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params, lora_request=loras, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs], llm
+
+    adapted, _ = run(None)
+    base = generate(str(tiny_models / "target"), prompts=PROMPTS, max_tokens=40)["tokens"]
+    assert all(a != b for a, b in zip(adapted[0::2], base[0::2]))  # the adapter acts
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "target")
+    truth = {tuple(tokenizer.encode(p)): t for p, t in zip(PROMPTS, adapted)}
+    monkeypatch.setattr(DDTreeSpeculator, "draft_logits_at", oracle_tree_logits(truth, 6))
+    trees, llm = run({"method": "ddtree", "model": str(tiny_models / "drafter"),
+                      "speculator_options": {"tree_budget": 16}})
+    assert trees == adapted
+    stats = tree_stats(llm)
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats

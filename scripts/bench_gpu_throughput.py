@@ -18,7 +18,7 @@ its error. Writes OUT/throughput.md, .json and .png.
   scripts/bench_gpu_throughput.py --shape tiny --concurrency 1 2 --output-len 32 \
       --tree 8:4.0 --dynamic 8:16                                         # CPU
 
-With VLLM_DDTREE_STANDIN_OPS=1 every engine gets vllm_ddtree.bundle.standin_ops's
+With VLLM_DDTREE_STANDIN_OPS=1 every engine gets gpu_machine.standin_ops's
 environment and engine arguments (a stand-in for vLLM's compiled ops), and every row says so.
 """
 
@@ -239,7 +239,8 @@ def standin() -> tuple[dict, dict[str, str]] | None:
     """The compiled-op stand-in's engine arguments and environment, when asked for."""
     if os.environ.get("VLLM_DDTREE_STANDIN_OPS") != "1":
         return None
-    from vllm_ddtree.bundle.standin_ops import STANDIN_ENV, standin_engine_kwargs
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # gpu_machine/
+    from gpu_machine.standin_ops import STANDIN_ENV, standin_engine_kwargs
 
     return standin_engine_kwargs(), dict(STANDIN_ENV)
 

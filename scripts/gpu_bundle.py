@@ -18,7 +18,7 @@ are packed into command folders of at most --command-mib (OUT/command-N/, each w
 of OUT/manifest.json: every part's sha256, what it holds, which command carries it, what the
 machine must have). Downloads are cached (VLLM_DDTREE_CACHE); once cached this runs offline.
 Re-running with the parts present and valid changes nothing. On the machine,
-scripts/gpu_check.sh stages the parts (vllm_ddtree.bundle.stage); its header says how to
+scripts/gpu_check.sh stages the parts (gpu_machine.stage); its header says how to
 carry them.
 
   scripts/gpu_bundle.py                 # OUT = .gpu-bundle (git ignores it)
@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from vllm_ddtree.bundle import stage  # noqa: E402
+from gpu_machine import stage  # noqa: E402
 from vllm_ddtree.upstream import (  # noqa: E402
     WHEEL_CACHE,
     cache_lock,

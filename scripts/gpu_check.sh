@@ -92,7 +92,7 @@ main() {
            || [ -f "$BUNDLE_WORK/manifest.json" ]; }; then
     step "stage the vLLM bundle"
     set +e
-    "$PY" -m vllm_ddtree.bundle.stage --bundle "$BUNDLE_DIR" --work "$BUNDLE_WORK" \
+    "$PY" -m gpu_machine.stage --bundle "$BUNDLE_DIR" --work "$BUNDLE_WORK" \
       --env-file "$BUNDLE_WORK.env"
     rc=$?
     set -e
@@ -124,7 +124,7 @@ main() {
   if [ "$bundle" = 1 ]; then
     step "the series on the staged vLLM; its compiled ops, or their stand-in"
     check "patch series" 60 "$PY" -m vllm_ddtree.cli patches apply
-    check "compiled ops" 240 "$PY" -m vllm_ddtree.bundle.compiled_ops \
+    check "compiled ops" 240 "$PY" -m gpu_machine.compiled_ops \
       --site "$VLLM_DDTREE_BUNDLE_SITE" --env-file "$BUNDLE_WORK.env"
     # shellcheck disable=SC1090
     source "$BUNDLE_WORK.env"  # the stand-in's settings, if it was chosen

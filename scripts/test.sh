@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 bash scripts/setup_env.sh
 bash scripts/setup_env.sh --vllm 0.34.0
-.venv/bin/ruff check vllm_ddtree tests scripts setup.py
+.venv/bin/ruff check vllm_ddtree gpu_machine tests scripts setup.py
 set_up=$((SECONDS - start))
 opts=() paths032=() paths034=()
 for arg in "$@"; do

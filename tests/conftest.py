@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+# The scripts' modules, and gpu_machine/ (tooling for the GPU machine, not in the package).
+sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
 
 
 def _share_the_cores_between_workers() -> None:

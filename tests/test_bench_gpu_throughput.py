@@ -70,7 +70,7 @@ def test_bench_gpu_throughput_tiny(tmp_path: Path) -> None:
 
     # A budget of 0 s: the first mode runs (the baseline), every later one is named skipped;
     # with the compiled-op stand-in (when its module is there) every row says so.
-    standin = importlib.util.find_spec("vllm_ddtree.bundle.standin_ops") is not None
+    standin = importlib.util.find_spec("gpu_machine.standin_ops") is not None
     data, table = bench(tmp_path / "tiny-budget", tmp_path / "models", "--concurrency", "1",
                         "--output-len", "8", "--time-budget-s", "0", "--tree", "16:5.5",
                         "--dynamic", "16:24", "--no-v1-chain",

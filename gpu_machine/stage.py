@@ -9,7 +9,7 @@ next. Only the standard library is used before the version check: this runs unde
 machine's own Python, with no vLLM. Nothing goes on the path until every part is present
 and valid: the unpacked tree is built beside the old one and renamed into place.
 
-  python3 -m vllm_ddtree.bundle.stage --env-file /tmp/vllm-bundle/env.sh [--bundle .gpu-bundle]
+  python3 -m gpu_machine.stage --env-file /tmp/vllm-bundle/env.sh [--bundle .gpu-bundle]
 
 Exit status: 0 staged (or already staged), 2 refused (wrong machine, bad hash),
 3 parts missing (the message names them and the command that brings them).
@@ -187,7 +187,7 @@ def env_lines(site: Path, repo: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[1]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=repo / ".gpu-bundle",
                         help="the carried command folders' parent (default: .gpu-bundle)")

@@ -9,7 +9,7 @@ module of that name that registers the stand-in is written in its place (in the 
 bundle, never in the machine's packages), and the env file gets ``VLLM_DDTREE_STANDIN_OPS=1``
 plus the settings that keep vLLM on its native paths; scripts label their numbers then.
 
-  python3 -m vllm_ddtree.bundle.compiled_ops --site /tmp/vllm-bundle/site --env-file F
+  python3 -m gpu_machine.compiled_ops --site /tmp/vllm-bundle/site --env-file F
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 COMPILED = "vllm/_C_stable_libtorch.abi3.so"
 STUB = "vllm/_C_stable_libtorch.py"
 STUB_TEXT = '''"""vllm-ddtree: the wheel's compiled ops failed to load or run on this machine (see
-gpu_check.log); this module stands in for them with pure PyTorch (vllm_ddtree.bundle.
+gpu_check.log); this module stands in for them with pure PyTorch (gpu_machine.
 standin_ops). Numbers measured with it are labeled "compiled-op stand-in"."""
 
-from vllm_ddtree.bundle.standin_ops import register
+from gpu_machine.standin_ops import register
 
 register()
 '''
@@ -33,7 +33,7 @@ PROBE = r'''
 import torch
 import vllm._C_stable_libtorch  # noqa: F401
 import vllm.vllm_flash_attn  # noqa: F401  (FA2 or FA3 must load)
-from vllm_ddtree.bundle import standin_ops as s
+from gpu_machine import standin_ops as s
 
 torch.manual_seed(0)
 dev, bf16 = "cuda", torch.bfloat16
@@ -96,7 +96,7 @@ def use_standin(site: Path) -> None:
 
 
 def standin_env_lines() -> str:
-    from vllm_ddtree.bundle.standin_ops import STANDIN_ENV
+    from gpu_machine.standin_ops import STANDIN_ENV
 
     env = {"VLLM_DDTREE_STANDIN_OPS": "1", **STANDIN_ENV}
     return "".join(f"export {k}={v}\n" for k, v in env.items())
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(standin_env_lines())
     bar = "!" * 78
     print(f"{bar}\ncompiled ops: vLLM's compiled ops did not load or run here; the PURE-PYTORCH "
-          f"STAND-IN\nis in their place (vllm_ddtree.bundle.standin_ops). Every number "
+          f"STAND-IN\nis in their place (gpu_machine.standin_ops). Every number "
           f"below is labeled\n'compiled-op stand-in'. Why:\n{why}\n{bar}")
     return 0
 

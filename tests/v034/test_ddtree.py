@@ -29,12 +29,15 @@ def target_alone() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(("method", "drafter", "budget", "max_num_seqs"), [
     ("ddtree", "drafter", 16, 8), ("ddtree", "drafter", 64, 2),
-    ("jetspec", "jetspec-drafter", 64, 8)])
+    ("jetspec", "jetspec-drafter", 64, 8), ("best_first", "jetspec-drafter", 64, 8)])
 def test_greedy_is_lossless_with_deep_off_spine_paths(target_alone: dict, method: str,
                                                       drafter: str, budget: int,
                                                       max_num_seqs: int) -> None:
-    run = generate(str(PAIR / "target"), spec=tree_spec(method, drafter, tree_budget=budget),
-                   prompts=PROMPTS, max_tokens=40, max_num_seqs=max_num_seqs)
+    # "best_first": the JetSpec head with DDTree's build (JetSpec's is its default).
+    spec = (tree_spec("ddtree", drafter, tree_budget=budget, tree_build="best_first")
+            if method == "best_first" else tree_spec(method, drafter, tree_budget=budget))
+    run = generate(str(PAIR / "target"), spec=spec, prompts=PROMPTS, max_tokens=40,
+                   max_num_seqs=max_num_seqs)
     assert run["tokens"] == target_alone["tokens"]
     trees = run["trees"]
     # Paths 3+ nodes deep, and paths through a node off the spine (a node whose index
@@ -333,27 +336,42 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.slow
-def test_chunked_prefill_and_preemption_stay_lossless() -> None:
+def test_chunked_prefill_preemption_and_aborts_stay_lossless() -> None:
     """Requests of different lengths finishing at different steps, long prompts prefilled in
-    chunks next to verify steps, prefix caching on, and preemption under a tiny KV cache
-    (a preempted request is re-added and prefilled again, then drafts anew)."""
+    chunks next to verify steps, prefix caching on, preemption under a tiny KV cache (a
+    preempted request is re-added and prefilled again, then drafts anew), and requests
+    aborted mid-stream; then a batch in the freed request slots."""
     from vllm import LLM, SamplingParams
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     prompts = [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
                for i in range(12)]
     prompts += [prompts[0] + " and more", prompts[1] + " again"]  # shared prefixes
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 5), ignore_eos=True)
-              for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     settings = dict(model=str(PAIR / "target"), enforce_eager=True, max_model_len=256,
                     seed=0, dtype="float32", block_size=32)
-    alone = LLM(**settings).generate(prompts, params, use_tqdm=False)
+    alone = {o.prompt: list(o.outputs[0].token_ids)
+             for o in LLM(**settings).generate(prompts, params, use_tqdm=False)}
     llm = LLM(**settings, max_num_seqs=6, max_num_batched_tokens=64,
               num_gpu_blocks_override=10, disable_log_stats=False,
               speculative_config=tree_spec(tree_budget=12))
-    trees = llm.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in trees] == [
-        list(o.outputs[0].token_ids) for o in alone]
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts[:10]):
+        engine.add_request(f"r{i}", prompt, params)
+    done, aborted = {}, ["r1", "r4", "r6"]
+    for step in range(2000):
+        if step == 3:
+            engine.abort_request(aborted)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.prompt, list(out.outputs[0].token_ids))
+        if not engine.has_unfinished_requests():
+            break
+    kept = {rid: v for rid, v in done.items() if rid not in aborted}
+    assert len(kept) == 7 and all(tokens == alone[p] for p, tokens in kept.values())
+    outputs = llm.generate(prompts[10:], params, use_tqdm=False)
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+        p: alone[p] for p in prompts[10:]}
     metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -110,6 +110,10 @@ def test_settings_trees_cannot_honour_are_refused_by_name(spec: dict, named: str
 
 @pytest.mark.parametrize(("engine", "named"), [
     (dict(logprobs_mode="processed_logprobs"), "logprobs_mode"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+     "decode_context_parallel_size"),
+    (dict(enable_batch_sharded_sampling=True), "enable_batch_sharded_sampling"),
     (dict(logits_processors=["vllm.v1.sample.logits_processor.MinPLogitsProcessor"]),
      "logits_processors"),
 ])
@@ -435,3 +439,11 @@ def test_dynamic_speculative_decoding_cuts_trees_losslessly(busy: int) -> None:
     drafts, nodes = (metrics[f"vllm:spec_decode_num_{k}"] for k in ("drafts", "draft_tokens"))
     big, rest = divmod(nodes - busy * drafts, 16 - busy)  # nodes = 16 big + busy (drafts - big)
     assert rest == 0 and 0 < big <= drafts and (big < drafts) == (busy > 0), (nodes, drafts)
+
+
+def test_a_quantized_kv_cache_is_refused_at_start_up() -> None:
+    from vllm import LLM
+
+    with pytest.raises(Exception, match="cache_dtype"):
+        LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512,
+            dtype="bfloat16", kv_cache_dtype="fp8", speculative_config=tree_spec())

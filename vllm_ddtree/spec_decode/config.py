@@ -112,6 +112,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                              f"{hf.vocab_size} tokens, the target {target.get_vocab_size()}: "
                              f"they must match")
         _refuse_target_settings(target, cls.method_name)
+        _refuse_parallel_settings(spec.target_parallel_config, cls.method_name)
         if target.is_hybrid or target.has_inner_state:
             raise ValueError(f"speculative_config.method {cls.method_name!r}: the target "
                              f"{target.model!r} has recurrent layers, which the vLLM 0.34 "
@@ -223,6 +224,21 @@ def _refuse_target_settings(model: Any, method: str) -> None:
     if model.return_sampling_mask:
         raise ValueError(f"model_config.return_sampling_mask is not supported with method "
                          f"{method!r}")
+
+
+def _refuse_parallel_settings(parallel: Any, method: str) -> None:
+    """Parallel layouts in which a rank would verify, or compact the KV cache of, only part
+    of a step: the verifier runs on the last pipeline stage, batch-sharded sampling verifies
+    each request on one tensor-parallel rank, context parallelism splits a request's KV
+    slots, micro-batches split the step's trees; every rank must compact every request."""
+    for name, off in (("pipeline_parallel_size", 1), ("decode_context_parallel_size", 1),
+                      ("prefill_context_parallel_size", 1), ("enable_dbo", False),
+                      ("enable_batch_sharded_sampling", (None, False))):
+        value = getattr(parallel, name, off if not isinstance(off, tuple) else off[0])
+        if value not in (off if isinstance(off, tuple) else (off,)):
+            raise ValueError(f"parallel_config.{name} is {value!r}: method {method!r} "
+                             f"compacts every request's accepted path on every rank; "
+                             f"leave it unset (use tensor parallelism)")
 
 
 class JetSpecSpeculatorConfig(DDTreeSpeculatorConfig):

@@ -22,6 +22,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree import ops
+from vllm_ddtree.attention.features import TreeAttentionFeatures
 from vllm_ddtree.attention.tree_batch import TreeBatch
 from vllm_ddtree.spec_decode.config import tree_options
 from vllm_ddtree.spec_decode.model_state import install_model_state
@@ -102,6 +103,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         # steps; the drafter drafts tree_depth. Read before: _num_graph_context_tokens.
         self.budget, self.depth = options.tree_budget, options.tree_depth
         self.spine, self.widths = options.tree_spine, options.widths()
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype not in TreeAttentionFeatures.supported_kv_cache_dtypes:
+            raise ValueError(f"cache_config.cache_dtype is {cache_dtype!r}: TREE_ATTN keeps "
+                             f"the KV cache in the model's dtype (one of "
+                             f"{TreeAttentionFeatures.supported_kv_cache_dtypes}); leave "
+                             f"--kv-cache-dtype unset")
         super().__init__(vllm_config, device)
         self.num_speculative_steps = self.depth
         self.num_query_per_req = self.depth + 1

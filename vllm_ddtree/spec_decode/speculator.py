@@ -50,11 +50,10 @@ class TreeStore:
 
     Requests whose logits processing reads the drafts before a row as that row's history
     (penalties, bad words, a thinking budget: vLLM's kernels count the rows before it) or
-    whose grammar masks
-    the scheduler builds along the drafts in order (structured output) draft the
-    drafter's greedy chain instead, in their first ``depth`` nodes, and are verified as a
-    chain: causal attention, chain positions, vLLM's own processing (``chain_only``, set per
-    request; ``chain``, how the stored drafts were built)."""
+    whose grammar masks the scheduler builds along the drafts in order (structured output)
+    draft the drafter's greedy chain instead, in their first ``depth`` nodes, and are
+    verified as a chain: causal attention, chain positions, vLLM's own processing
+    (``chain_only``, set per request; ``chain``, how the stored drafts were built)."""
 
     def __init__(self, max_num_reqs: int, budget: int, depth: int,
                  device: torch.device) -> None:

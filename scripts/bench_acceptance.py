@@ -119,16 +119,17 @@ def install_timers(llm, timers: StepTimers) -> None:
 
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
-    if hasattr(runner, "speculator") or not hasattr(runner, "drafter"):  # Model Runner V2
+    if hasattr(runner, "speculator"):  # Model Runner V2 (vLLM 0.34)
         # The target model's forward (eager: no graph to time at its call site), the
         # speculator's drafting and the verifier in the rejection sampler's place.
         timers.wrap(runner.model, "forward", "verify forward")
-        timers.wrap(getattr(runner, "speculator", None), "propose",
-                    "draft (incl. tree build)")
+        timers.wrap(runner.speculator, "propose", "draft (incl. tree build)")
         timers.wrap(vllm_ddtree.ops, "build_tree_from_logits", "tree build")
-        name = ("walk + compaction" if hasattr(runner.rejection_sampler, "verified_rows")
-                else "chain rejection")
-        timers.wrap(runner, "rejection_sampler", name)
+        rejection = getattr(runner, "rejection_sampler", None)
+        if rejection is not None:
+            name = ("walk + compaction" if hasattr(rejection, "verified_rows")
+                    else "chain rejection")
+            timers.wrap(runner, "rejection_sampler", name)
         return
     # The target's forward, once per step (the runner's call site, so that a CUDA-graph
     # replay is timed too).

@@ -4,8 +4,10 @@ writes .test-times.xml): test time per file (setup, call and teardown summed ove
 file's tests; with parallel workers the files share the wall time) and the slowest tests,
 as markdown.
 
-    scripts/suite_times.py .test-times.xml --wall 1500 --note "scripts/test.sh, 2 workers" \
-        --out docs/test-suite-times.md
+    scripts/suite_times.py .test-times.xml .test-times-034.xml --wall 1500 \
+        --note "scripts/test.sh, 2 workers" --out docs/test-suite-times.md
+
+Several files (scripts/test.sh's two environments write one each) make one report.
 """
 
 from __future__ import annotations
@@ -52,15 +54,18 @@ def report(cases: list[tuple[str, str, float, str]], wall: float | None, note: s
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("junit", type=Path, help="the JUnit XML pytest wrote")
-    parser.add_argument("--wall", type=float, default=None, help="pytest's wall time, s")
+    parser.add_argument("junit", type=Path, nargs="+", help="the JUnit XML pytest wrote")
+    parser.add_argument("--wall", type=float, default=None,
+                        help="pytest's wall time, s (all the runs')")
     parser.add_argument("--note", default="scripts/test.sh",
                         help="which run: command, date, machine")
     parser.add_argument("--out", type=Path, default=None, help="markdown file (else stdout)")
     args = parser.parse_args()
-    if not args.junit.is_file():
-        parser.error(f"junit: no file {args.junit}")
-    text = report(read(args.junit), args.wall, args.note)
+    for junit in args.junit:
+        if not junit.is_file():
+            parser.error(f"junit: no file {junit}")
+    text = report([case for junit in args.junit for case in read(junit)], args.wall,
+                  args.note)
     if args.out:
         args.out.write_text(text)
     else:

@@ -31,3 +31,15 @@ def test_a_missing_file_is_named() -> None:
     done = subprocess.run([sys.executable, suite_times.__file__, "no-such.xml"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "junit: no file no-such.xml" in done.stderr
+
+
+def test_several_runs_make_one_report(tmp_path: Path) -> None:
+    """scripts/test.sh's two environments write one file each."""
+    first, second = tmp_path / "a.xml", tmp_path / "b.xml"
+    first.write_text(JUNIT)
+    second.write_text(JUNIT.replace("tests.test_", "tests.v034.test_"))
+    done = subprocess.run([sys.executable, suite_times.__file__, str(first), str(second),
+                           "--wall", "240"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "6 tests (2 failure, 2 passed, 2 skipped)" in done.stdout, done.stdout
+    assert "| `tests/v034/test_b.py` | 1 | 2.50 |" in done.stdout

@@ -98,6 +98,7 @@ def test_logprobs_are_the_targets_own() -> None:
      "draft_sample_method"),
     (dict(tree_spec("jetspec", tree_build="best_first")), "tree_build"),
     (dict(tree_spec(tree_budget=16), num_speculative_tokens=9), "num_speculative_tokens"),
+    (dict(tree_spec(tree_budget=16, tree_depth=5)), "speculator_options.tree_depth"),
     ({"method": "ddtree", "model": str(PAIR / "target")}, "model"),
 ])
 def test_settings_trees_cannot_honour_are_refused_by_name(spec: dict, named: str) -> None:
@@ -137,6 +138,15 @@ def test_the_resolved_options_are_in_the_config(tmp_path: Path) -> None:
         "dflash", "ddtree", 32)
     assert spec.speculator_options == {"tree_budget": 32, "tree_depth": 7, "tree_spine": True,
                                        "tree_build": "best_first", "tree_width": None}
+    # num_speculative_tokens is the depth, then tree_budget for vLLM; a re-validation of
+    # the resolved config (vLLM re-runs it on copies) keeps both.
+    config = EngineArgs(model=str(PAIR / "target"), max_model_len=512,
+                        speculative_config=tree_spec(tree_budget=32) | {
+                            "num_speculative_tokens": 5}).create_engine_config()
+    spec = config.speculative_config
+    assert (spec.num_speculative_tokens, spec.speculator_options["tree_depth"]) == (32, 5)
+    spec.__post_init__()
+    assert (spec.num_speculative_tokens, spec.speculator_options["tree_depth"]) == (32, 5)
 
 
 def run_llm(spec: dict | None, params: list) -> tuple[list, dict | None]:

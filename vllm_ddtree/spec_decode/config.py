@@ -94,6 +94,11 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         options = cls._read_options(spec)
         resolved = options.tree_depth is not None and spec.num_speculative_tokens == (
             options.tree_budget)  # a config set up before (vLLM re-runs __post_init__)
+        if options.tree_depth is not None and not resolved:
+            raise ValueError(f"speculative_config.speculator_options.tree_depth is "
+                             f"{options.tree_depth!r}: the tree's depth is "
+                             f"num_speculative_tokens (method {cls.method_name!r}); set "
+                             f"that instead")
         depth = options.tree_depth if resolved else spec.num_speculative_tokens
         block_size = cls._drafter_block_size(spec)
         if depth is not None and depth > block_size - 1:

@@ -173,23 +173,29 @@ def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str],
                     emitted)
             seq = [*ids, *baseline[prompt][:done]]
             rng = np.random.default_rng([seed, len(seq), *seq[-3:]])
-            logits[r] = torch.from_numpy(rng.normal(size=(depth, vocab)))
-            for d in range(depth):
-                if done + d >= len(baseline[prompt]):
-                    break
-                true = baseline[prompt][done + d]
-                u = rng.random()
-                if u < 0.55:
-                    logits[r, d, true] = 12.0
-                elif u < 0.85:
-                    others = rng.choice(vocab, size=2, replace=False)
-                    logits[r, d, others[0]] = 13.0
-                    if u > 0.7:
-                        logits[r, d, others[1]] = 12.5
-                    logits[r, d, true] = 12.0
+            logits[r] = imperfect_logits(baseline[prompt][done:done + depth], depth, vocab,
+                                         rng)
         return logits.flatten(0, 1).to(hidden_states.device)
 
     return draft_logits
+
+
+def imperfect_logits(truth: list[int], depth: int, vocab: int,
+                     rng: np.random.Generator) -> torch.Tensor:
+    """Per depth [depth, vocab] random logits showing the true next token (``truth``, up to
+    ``depth`` of them) first (55%), second or third (30%), or not at all (15%)."""
+    logits = torch.from_numpy(rng.normal(size=(depth, vocab)))
+    for d, true in enumerate(truth):
+        u = rng.random()
+        if u < 0.55:
+            logits[d, true] = 12.0
+        elif u < 0.85:
+            others = rng.choice(vocab, size=2, replace=False)
+            logits[d, others[0]] = 13.0
+            if u > 0.7:
+                logits[d, others[1]] = 12.5
+            logits[d, true] = 12.0
+    return logits
 
 
 def oracle_for_target(pair: Path, monkeypatch, seed: int, prompts: list[str] = PROMPTS,

@@ -68,16 +68,7 @@ def resolve_speculative_config(spec: Any) -> None:
         spec.tree_budget = DEFAULT_TREE_BUDGET
     if spec.tree_spine is None:
         spec.tree_spine = True
-    if isinstance(spec.tree_budget, bool) or not isinstance(spec.tree_budget, int) or not (
-            1 <= spec.tree_budget <= MAX_BUDGET):
-        raise ValueError(f"speculative_config.tree_budget must be an integer in "
-                         f"[1, {MAX_BUDGET}], got {spec.tree_budget!r}")
-    if not isinstance(spec.tree_spine, bool):
-        raise ValueError(f"speculative_config.tree_spine must be true or false, got "
-                         f"{spec.tree_spine!r}")
-    if spec.tree_build is not None and spec.tree_build not in TREE_BUILDS:
-        raise ValueError(f"speculative_config.tree_build must be one of {TREE_BUILDS}, got "
-                         f"{spec.tree_build!r}")
+    check_tree_fields(spec, "speculative_config")
     # Chain verification settings that tree verification would ignore: refused, not dropped.
     # "synthetic" (benchmarking only) is honoured per tree depth: see verify_drafter.
     if spec.rejection_sample_method not in ("standard", "synthetic"):
@@ -90,6 +81,21 @@ def resolve_speculative_config(spec: Any) -> None:
                          f"{spec.draft_sample_method!r}: method 'ddtree' builds its trees from "
                          f"the drafter's top-k log-probabilities; leave it 'greedy'")
     spec.method = "dflash"
+
+
+def check_tree_fields(fields: Any, where: str) -> None:
+    """The types and ranges of tree_budget, tree_spine and tree_build (``where``: where they
+    were given, for the error)."""
+    budget = fields.tree_budget
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"{where}.tree_budget must be an integer in [1, {MAX_BUDGET}], got "
+                         f"{budget!r}")
+    if not isinstance(fields.tree_spine, bool):
+        raise ValueError(f"{where}.tree_spine must be true or false, got "
+                         f"{fields.tree_spine!r}")
+    if fields.tree_build is not None and fields.tree_build not in TREE_BUILDS:
+        raise ValueError(f"{where}.tree_build must be one of {TREE_BUILDS}, got "
+                         f"{fields.tree_build!r}")
 
 
 def verify_drafter(spec: Any) -> None:
@@ -206,20 +212,26 @@ def _verify_recurrent_target(target: Any) -> None:
 
 
 def _resolve_synthetic_rates(spec: Any) -> None:
-    """Synthetic acceptance (benchmarking only, vllm_ddtree/synthetic.py): the user's rates
-    or mean length are per tree depth, checked by vLLM's own rules against tree_depth. vLLM
-    checks them again later against num_speculative_tokens (tree_budget by then), so it is
-    handed the per-depth rates padded with zeros to tree_budget (no path is deeper)."""
+    """Synthetic acceptance (benchmarking only, vllm_ddtree/synthetic.py): see
+    per_depth_synthetic_rates."""
+    per_depth_synthetic_rates(spec, spec.tree_depth, spec.tree_budget, "ddtree")
+
+
+def per_depth_synthetic_rates(spec: Any, depth: int, budget: int, method: str) -> None:
+    """The user's synthetic rates or mean length are per tree depth, checked by vLLM's own
+    rules against the depth. vLLM checks them again later against num_speculative_tokens
+    (tree_budget by then), so it is handed the per-depth rates padded with zeros to
+    tree_budget (no path is deeper)."""
     from vllm.config.speculative import SpeculativeConfig
 
     try:
         rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(
-            spec.tree_depth, spec.synthetic_acceptance_rates, spec.synthetic_acceptance_length)
+            depth, spec.synthetic_acceptance_rates, spec.synthetic_acceptance_length)
     except ValueError as e:
-        raise ValueError(f"speculative_config.{e} (method 'ddtree': one rate per tree depth, "
-                         f"tree_depth = {spec.tree_depth}; synthetic acceptance is a "
-                         f"benchmarking mode, never for serving)") from e
-    spec.synthetic_acceptance_rates = rates + [0.0] * (spec.tree_budget - spec.tree_depth)
+        raise ValueError(f"speculative_config.{e} (method {method!r}: one rate per tree depth, "
+                         f"tree_depth = {depth}; synthetic acceptance is a benchmarking mode, "
+                         f"never for serving)") from e
+    spec.synthetic_acceptance_rates = rates + [0.0] * (budget - depth)
     spec.synthetic_acceptance_length = None
 
 
@@ -252,7 +264,7 @@ def verify_vllm_config(vllm_config: Any) -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_ddtree.attention.features import TreeAttentionFeatures
+    from vllm_ddtree.attention.features import refuse_quantized_kv_cache
 
     if _drafter_copy.get():
         return
@@ -264,12 +276,7 @@ def verify_vllm_config(vllm_config: Any) -> None:
                          f"over a token tree: method 'ddtree' needs TREE_ATTN (leave "
                          f"--attention-backend unset or set it to TREE_ATTN)")
     vllm_config.attention_config.backend = tree_attn
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in TreeAttentionFeatures.supported_kv_cache_dtypes:
-        raise ValueError(f"cache_config.cache_dtype is {cache_dtype!r}: TREE_ATTN keeps the KV "
-                         f"cache in the model's dtype (one of "
-                         f"{TreeAttentionFeatures.supported_kv_cache_dtypes}), no quantized "
-                         f"cache; leave --kv-cache-dtype unset")
+    refuse_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         # vLLM 0.32's V1 runner crashes at startup for dflash under PP (no drafter on the
         # earlier stages); and tree verification would have to compact every stage's cache.
@@ -291,7 +298,7 @@ def verify_vllm_config(vllm_config: Any) -> None:
                          f"max_num_batched_tokens ({tokens})")
     model = vllm_config.model_config
     if model is not None:
-        _verify_target_model(model)
+        verify_target_model(model)
         if model.is_hybrid:
             _verify_recurrent_engine(vllm_config.cache_config, current_platform)
             _verify_stash_fits(vllm_config, _memory_beside_kv_cache(vllm_config,
@@ -454,15 +461,15 @@ def _verify_stash_fits(vllm_config: Any, room: tuple[int, str]) -> None:
             f"or the KV cache")
 
 
-def _verify_target_model(model: Any) -> None:
+def verify_target_model(model: Any, method: str = "ddtree") -> None:
     # Engine-wide logits processing that tree verification does not apply: refused here,
     # not left to change the output silently.
     if model.logprobs_mode.startswith("processed"):
         raise ValueError(f"model_config.logprobs_mode is {model.logprobs_mode!r}: method "
-                         f"'ddtree' returns raw_logprobs or raw_logits only")
+                         f"{method!r} returns raw_logprobs or raw_logits only")
     if model.logits_processors:
-        raise ValueError("model_config.logits_processors: method 'ddtree' does not run "
-                         "custom logits processors at tree nodes; leave them unset")
+        raise ValueError(f"model_config.logits_processors: method {method!r} does not run "
+                         f"custom logits processors at tree nodes; leave them unset")
     if model.return_sampling_mask:
-        raise ValueError("model_config.return_sampling_mask is not supported with method "
-                         "'ddtree'")
+        raise ValueError(f"model_config.return_sampling_mask is not supported with method "
+                         f"{method!r}")

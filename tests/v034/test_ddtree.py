@@ -291,13 +291,6 @@ STEP_FILES = ("spec_decode/speculator.py", "spec_decode/verifier.py",
               "ops.py", "tree.py", "attention/tree_batch.py")
 
 
-def _bool_index(index: object) -> bool:
-    import torch
-
-    parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
-
-
 @pytest.mark.slow
 def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host sync (.item(), .tolist(), .cpu(), a tensor's truth value, a boolean-mask
@@ -309,6 +302,7 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) ->
     import sys
 
     import torch
+    from test_ddtree_engine import _bool_index
     from vllm import LLM, SamplingParams
 
     pkg = str(REPO / "vllm_ddtree") + "/"

@@ -20,9 +20,10 @@ PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(8
 
 def oracle_tree_logits(continuations: dict[tuple, list[int]], seed: int):
     """``DDTreeSpeculator.draft_logits_at`` for a drafter that knows each prompt's greedy
-    continuation (by prompt token ids): per depth the true token is ranked first (55%),
-    second or third (30%), or missing (15%). It reads each request's tokens so far from the
+    continuation (by prompt token ids) and shows it imperfectly (0.32's oracle's schedule:
+    test_ddtree_engine.imperfect_logits). It reads each request's tokens so far from the
     runner's request states (on the host: a test's drafter may sync)."""
+    from test_ddtree_engine import imperfect_logits
 
     def draft_logits_at(self, hidden_states: torch.Tensor) -> torch.Tensor:
         depth, states = self.depth, self.req_states
@@ -37,17 +38,7 @@ def oracle_tree_logits(continuations: dict[tuple, list[int]], seed: int):
             seq = states.all_token_ids.gpu[slot, :n].tolist()
             truth, done = continuations[tuple(seq[:prompt_len])], n - prompt_len
             rng = np.random.default_rng([seed, n, *seq[-3:]])
-            logits[r] = torch.from_numpy(rng.normal(size=(depth, vocab)))
-            for d in range(min(depth, len(truth) - done)):
-                true, u = truth[done + d], rng.random()
-                if u < 0.55:
-                    logits[r, d, true] = 12.0
-                elif u < 0.85:
-                    others = rng.choice(vocab, size=2, replace=False)
-                    logits[r, d, others[0]] = 13.0
-                    if u > 0.7:
-                        logits[r, d, others[1]] = 12.5
-                    logits[r, d, true] = 12.0
+            logits[r] = imperfect_logits(truth[done:done + depth], depth, vocab, rng)
         return logits.flatten(0, 1).to(hidden_states.device)
 
     return draft_logits_at

@@ -53,3 +53,12 @@ def refuse_unsupported(**features: Any) -> None:
     for name, value in features.items():
         if value not in (None, False, -1):
             raise NotImplementedError(f"TREE_ATTN does not support {name}")
+
+
+def refuse_quantized_kv_cache(cache_dtype: str) -> None:
+    """At start-up: TREE_ATTN keeps the KV cache in the model's dtype."""
+    if cache_dtype not in TreeAttentionFeatures.supported_kv_cache_dtypes:
+        raise ValueError(f"cache_config.cache_dtype is {cache_dtype!r}: TREE_ATTN keeps the KV "
+                         f"cache in the model's dtype (one of "
+                         f"{TreeAttentionFeatures.supported_kv_cache_dtypes}), no quantized "
+                         f"cache; leave --kv-cache-dtype unset")

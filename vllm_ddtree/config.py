@@ -437,7 +437,7 @@ def stash_bytes(vllm_config: Any) -> tuple[int, int]:
     layers = list(getattr(text, "layer_types", None) or []).count("linear_attention")
     row = layers * stash_bytes_per_row(text, model.dtype,
                                        vllm_config.parallel_config.tensor_parallel_size)
-    step = spec.tree_budget + 1
+    step = spec.num_speculative_tokens + 1  # tree_budget + 1 (the drafts a step verifies)
     rows = min(vllm_config.scheduler_config.max_num_seqs * step,
                vllm_config.scheduler_config.max_num_batched_tokens)
     return rows * row, step * row
@@ -449,13 +449,14 @@ def _verify_stash_fits(vllm_config: Any, room: tuple[int, str]) -> None:
     need, per_request = stash_bytes(vllm_config)
     free, setting = room
     if need > free:
-        spec, sched = vllm_config.speculative_config, vllm_config.scheduler_config
+        budget = vllm_config.speculative_config.num_speculative_tokens
+        sched = vllm_config.scheduler_config
         raise ValueError(
-            f"speculative_config.tree_budget is {spec.tree_budget}: a verify step's Gated "
+            f"speculative_config.tree_budget is {budget}: a verify step's Gated "
             f"DeltaNet stash (the inputs of every tree node in every GDN layer, kept until "
             f"the accepted path is committed) needs {need / GIB:.2f} GiB "
             f"({per_request / 2**20:.1f} MiB per request, up to "
-            f"{min(sched.max_num_seqs, sched.max_num_batched_tokens // (spec.tree_budget + 1))}"
+            f"{min(sched.max_num_seqs, sched.max_num_batched_tokens // (budget + 1))}"
             f" requests a step), but {max(free, 0) / GIB:.2f} GiB is left beside the KV cache "
             f"sized by {setting}; lower tree_budget, max_num_seqs or max_num_batched_tokens, "
             f"or the KV cache")

@@ -26,7 +26,11 @@ def generate(model: str, spec: dict | None = None, dtype: str = "float32",
              prompts: list[str] | None = None, max_tokens: int = 40, max_num_seqs: int = 8,
              temperature: float = 0.0, seeds: list[int] | None = None) -> dict:
     from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    # An engine started earlier in this process may have left a parallel state without the
+    # expert-parallel group a mixture-of-experts target (gpt-oss) needs.
+    cleanup_dist_env_and_memory()
     with triton_launches() as launches:
         llm = LLM(model=model, enforce_eager=True, max_model_len=512, seed=0, dtype=dtype,
                   max_num_seqs=max_num_seqs, disable_log_stats=False,

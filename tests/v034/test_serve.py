@@ -11,11 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from engine_runs import REPO
-from test_ddtree_serve import free_port
+from serving import free_port
 
 from vllm_ddtree.cpu_standin import SETTINGS
 
@@ -31,19 +33,18 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+@contextmanager
+def vllm_serve(model: Path, log: Path, *args: str) -> Iterator[str]:
+    """`vllm serve model args` as a user starts it; yields its base URL once healthy."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {k: v for k, v in os.environ.items()
            if k not in SETTINGS and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [str(Path(sys.executable).parent / "vllm"), "serve", str(PAIR / "target"),
+            [str(Path(sys.executable).parent / "vllm"), "serve", str(model),
              "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-             "--max-model-len", "512", "--enforce-eager", "--speculative-config",
-             json.dumps(SPECS[request.param])],
+             "--max-model-len", "512", "--enforce-eager", *args],
             env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -57,9 +58,19 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             process.kill()
             pytest.fail("vllm serve did not come up:\n" + log.read_text()[-4000:])
         time.sleep(1)
-    yield base
-    process.terminate()
-    process.wait(timeout=60)
+    try:
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with vllm_serve(PAIR / "target", log, "--speculative-config",
+                    json.dumps(SPECS[request.param])) as base:
+        yield base
 
 
 def test_openai_client_gets_the_targets_greedy_tokens(server: str) -> None:

@@ -4,8 +4,10 @@ They are registered with ``register_speculative_method`` (vllm_ddtree.register, 
 process) as configs built on DFlash's: vLLM then moves the name to ``custom_method``, sets
 ``method = "dflash"``, and DFlash's whole set-up (draft model config, aux hidden states of the
 target, context handling) applies. The tree fields go in ``speculator_options`` (vLLM refuses
-unknown top-level fields of the speculative config):
+unknown top-level fields of the speculative config); patch 0001 of patches/next moves the
+documented top-level ones there (``with_speculator_options``):
 
+    {"method": "ddtree", "model": DRAFTER, "tree_budget": 64}
     {"method": "ddtree", "model": DRAFTER, "speculator_options": {"tree_budget": 64}}
 
 ``num_speculative_tokens``, if given, is the tree's depth (the drafter's mask positions,
@@ -25,8 +27,12 @@ from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
 from vllm_ddtree.config import (
     DEFAULT_TREE_BUDGET,
     TREE_FIELDS,
+    _memory_beside_kv_cache,
     _resolve_build,
     _verify_head,
+    _verify_recurrent_engine,
+    _verify_recurrent_target,
+    _verify_stash_fits,
     check_tree_fields,
     per_depth_synthetic_rates,
     verify_target_model,
@@ -34,6 +40,16 @@ from vllm_ddtree.config import (
 
 # The user's fields, and the depth the resolved options carry too.
 OPTION_NAMES = (*TREE_FIELDS, "tree_depth")
+METHODS = ("ddtree", "jetspec")
+# Verify steps replay FULL decode graphs keyed by request count at tree_budget + 1 tokens a
+# request. Off SM100 vLLM derives its default counts from the 512-token shared sizes (7
+# requests at budget 64): trees get this many, unless the user set the counts.
+DECODE_GRAPH_REQUESTS = 32
+
+
+def is_tree_method(spec: Any) -> bool:
+    """Whether a (configured) speculative config is ddtree's or jetspec's."""
+    return spec is not None and getattr(spec, "custom_method", None) in METHODS
 
 
 @dataclass
@@ -49,9 +65,12 @@ class TreeOptions:
 
 
 def with_speculator_options(spec: dict) -> dict:
-    """The documented form of a ddtree speculative config (tree fields at the top level, as
-    the pinned vLLM's patched config takes them) as vLLM 0.34 takes it: under
-    ``speculator_options``."""
+    """The documented form of a ddtree or jetspec speculative config (tree fields at the top
+    level) as vLLM 0.34 takes it: under ``speculator_options``. Called on the user's
+    dict by EngineArgs (patch 0001 of patches/next); other methods' configs are returned
+    as they are."""
+    if spec.get("method") not in METHODS:
+        return spec
     spec = dict(spec)
     options = dict(spec.pop("speculator_options", None) or {})
     for name in TREE_FIELDS:
@@ -116,9 +135,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         verify_target_model(target, cls.method_name)
         _refuse_parallel_settings(spec.target_parallel_config, cls.method_name)
         if target.is_hybrid or target.has_inner_state:
-            raise ValueError(f"speculative_config.method {cls.method_name!r}: the target "
-                             f"{target.model!r} has recurrent layers, which the vLLM 0.34 "
-                             f"port does not verify over trees yet; use method 'dflash'")
+            _verify_recurrent_target(target)
         spec.num_speculative_tokens = options.tree_budget
         spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
         # Synthetic acceptance (benchmarking only): per-depth rates, padded for vLLM's
@@ -182,6 +199,22 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
     def hash_factors(self) -> list[Any]:
         options = self.spec_config.speculator_options or {}
         return [(k, str(options.get(k))) for k in OPTION_NAMES]
+
+
+def verify_vllm_config(vllm_config: Any) -> None:
+    """In VllmConfig.__post_init__ (patch 0002 of patches/next), before the CUDA graph
+    sizes are resolved: what needs more than the speculative config."""
+    from vllm.platforms import current_platform
+
+    model, cc = vllm_config.model_config, vllm_config.compilation_config
+    if model is not None and model.is_hybrid:
+        _verify_recurrent_engine(vllm_config.cache_config, current_platform)
+        _verify_stash_fits(vllm_config, _memory_beside_kv_cache(vllm_config,
+                                                                current_platform))
+    if (cc.max_decode_cudagraph_capture_requests is None
+            and cc.decode_cudagraph_capture_request_sizes is None):
+        cc.max_decode_cudagraph_capture_requests = min(
+            DECODE_GRAPH_REQUESTS, vllm_config.scheduler_config.max_num_seqs)
 
 
 def _refuse_parallel_settings(parallel: Any, method: str) -> None:

@@ -3,7 +3,8 @@
 V2's speculator interface ends at drafting: it reaches neither the verify forward's
 positions, nor its attention metadata, nor the acceptance rule. The runner asks its
 ModelState for all three (``preprocess_state`` after the slot mappings are computed and
-before the attention metadata is built; ``custom_sampler`` for the rejection sampler), and
+before the attention metadata is built; ``prepare_inputs`` for M-RoPE positions;
+``custom_sampler`` for the rejection sampler), and
 takes the ModelState class from the target model's ``get_model_state_cls`` when it has one.
 The speculator's ``load_model`` runs before the runner makes its ModelState, so it gives the
 target model that method, returning the class vLLM would have chosen with ddtree's hooks on
@@ -32,6 +33,11 @@ def install_model_state(vllm_config: Any, target_model: Any, verifier: TreeVerif
             super().preprocess_state(input_batch, block_tables, kv_cache_config,
                                      num_computed_tokens)
             verifier.begin_step(input_batch)
+
+        def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+            inputs = super().prepare_inputs(input_batch, req_states)
+            verifier.shift_rope_positions(inputs.get("positions"))
+            return inputs
 
         def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
             base_choice = super().custom_sampler(sampler)

@@ -14,8 +14,10 @@
 
 Requests whose processing reads the drafts before a row as its history draft chains and
 are verified as chains (TreeStore). Synthetic acceptance (benchmarking only) overrides the
-target's choices along a drawn path (vllm_ddtree/synthetic.py). Not on this path yet:
-recurrent (GDN) targets.
+target's choices along a drawn path (vllm_ddtree/synthetic.py). Recurrent (Gated DeltaNet)
+layers verify the step's trees through the hooks of patches 0005 / 0008 (patches/next)
+(vllm_ddtree/recurrent/gdn_verify.py), told the trees in ``begin_step``; the accepted path's
+state is committed after the walk, with the KV compaction.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, gdn_layers
 from vllm_ddtree.spec_decode.compaction import target_kv_compactions
 from vllm_ddtree.synthetic import SyntheticAcceptance
 
@@ -49,6 +52,7 @@ class TreeVerifier:
         self.synthetic: SyntheticAcceptance | None = None
         self.step: TreeStep | None = None
         self._compactions: list | None = None
+        self.gdn: GDNTreeVerify | None = None
         dev = trees.first_child.device
         self._node = torch.arange(budget + 1, device=dev)
         # Counters (stats() reads them): verify steps of requests, the longest accepted
@@ -66,6 +70,11 @@ class TreeVerifier:
         self.block_tables, self.draft_layers = block_tables, set(draft_layers)
         self.trees.attention.excluded_layers = self.draft_layers
         tree_batch.install(vllm_config, self.trees.attention)
+        layers = gdn_layers(vllm_config)
+        if layers:
+            self.gdn = GDNTreeVerify(self.max_depth)
+            for layer in layers:
+                layer.ddtree_verify = self.gdn  # read by next/0005's and next/0008's hooks
         spec = vllm_config.speculative_config
         if spec.rejection_sample_method == "synthetic":  # benchmarking only
             self.synthetic = SyntheticAcceptance(
@@ -91,6 +100,8 @@ class TreeVerifier:
         self.step = None
         if not input_batch.num_draft_tokens:
             self.trees.attention.clear()
+            if self.gdn is not None:
+                self.gdn.begin_step(None)
             return
         rows = input_batch.logits_indices
         slots = input_batch.expanded_idx_mapping.long()
@@ -103,6 +114,15 @@ class TreeVerifier:
         is_tree = (cu[1:] - cu[:-1] > 1) & ~self.trees.chain[input_batch.idx_mapping]
         self.trees.attention.point(torch.where(is_tree, input_batch.idx_mapping, -1))
         self.step = TreeStep(rows, delta, chain_rows=self.trees.chain[slots])
+        if self.gdn is not None:  # chains' parents are chains (TreeStore.write)
+            self.gdn.begin_step(self.trees.parents[input_batch.idx_mapping])
+
+    def shift_rope_positions(self, positions: torch.Tensor | None) -> None:
+        """Tree positions on every M-RoPE axis (Qwen3.5; the model state's own positions,
+        [3, tokens]): a generated token advances each axis by one, so a node's offset from
+        its chain position is the same on all three."""
+        if positions is not None and positions.dim() == 2 and self.step is not None:
+            positions[:, self.step.rows] += self.step.delta
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, input_batch: Any,
@@ -150,6 +170,8 @@ class TreeVerifier:
         step.roots = torch.cat([step.rows[cu[:-1]],
                                 step.rows.new_full((1,), input_batch.num_tokens)])
         self._compact_kv(step)
+        if self.gdn is not None:
+            self.gdn.commit(verdict)  # the accepted path's recurrent state
         input_batch.positions[step.rows] -= step.delta  # chain positions, for the drafter
         self._count(verdict)
         return SamplerOutput(sampled_token_ids=verdict.output_tokens, logprobs_tensors=logprobs,

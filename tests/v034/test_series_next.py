@@ -1,0 +1,85 @@
+"""The series carried to vLLM 0.34.0 (patches/next): its shape, that this environment has it
+applied, and what its two hooks do (the documented top-level tree fields, patch 0001; the
+whole-config checks and the decode CUDA graph request counts, patch 0002)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from engine_runs import REPO
+
+from vllm_ddtree.patching import read_series
+
+NEXT = REPO / "patches" / "next"
+PAIR = REPO / "models" / "tiny-pair"
+
+
+def test_the_series_is_small_and_says_why() -> None:
+    patches = read_series(NEXT)
+    assert (NEXT / "upstream-version").read_text().strip() == "0.34.0"
+    assert len(patches) <= 12
+    added = 0
+    for patch in patches:
+        text = (NEXT / patch.name).read_text()
+        header = text[:text.index("diff --git")]
+        for field in ("Why:", "Upstream-Status:", "Drop-When:"):
+            assert field in header, (patch.name, field)
+        added += len(re.findall(r"^\+(?!\+\+ )", text, flags=re.M))
+    assert added <= 150, added
+
+
+def test_it_is_applied_here() -> None:
+    import vllm
+
+    from vllm_ddtree.patching.installer import APPLIED, series_status
+
+    status = series_status(Path(vllm.__file__).parent.parent, NEXT)
+    assert status.state == APPLIED, status
+
+
+def engine_config(spec: dict, **engine: object):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(PAIR / "target"), max_model_len=512, max_num_seqs=256,
+                      speculative_config=spec, **engine).create_engine_config()
+
+
+def test_the_documented_top_level_form_is_accepted() -> None:
+    """{"method": "ddtree", "tree_budget": 16, ...} as the README writes it; other methods
+    keep vLLM's refusal of fields they do not have."""
+    spec = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": 16,
+            "tree_spine": False}
+    options = engine_config(spec).speculative_config.speculator_options
+    assert options["tree_budget"] == 16 and options["tree_spine"] is False
+    with pytest.raises(Exception, match="tree_budget"):
+        engine_config({"method": "dflash", "model": str(PAIR / "drafter"), "tree_budget": 16})
+
+
+def decode_graph_requests(config) -> list[int]:
+    """The request counts vLLM's own sizing (_set_cudagraph_sizes) gives decode CUDA graphs
+    of this config, as on a GPU (the CPU platform turns graphs off before it runs)."""
+    from vllm.config import CUDAGraphMode
+
+    cc = config.compilation_config
+    cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    cc.cudagraph_capture_sizes = cc.max_cudagraph_capture_size = None
+    config._set_cudagraph_sizes()
+    return cc.decode_cudagraph_capture_request_sizes
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+def test_verify_steps_have_decode_graphs_up_to_32_requests(budget: int) -> None:
+    spec = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": budget}
+    config = engine_config(spec)
+    assert config.uniform_decode_query_len == budget + 1
+    sizes = decode_graph_requests(config)
+    assert sizes[:5] == [1, 2, 3, 4, 5] and max(sizes) == 32
+    # The control: vLLM's default (no counts set) from the 512-token shared sizes.
+    cc = config.compilation_config
+    cc.max_decode_cudagraph_capture_requests = cc.decode_cudagraph_capture_request_sizes = None
+    assert max(decode_graph_requests(config)) == 512 // (budget + 1)
+    # The user's counts are kept.
+    given = engine_config(spec, compilation_config={"max_decode_cudagraph_capture_requests": 8})
+    assert max(decode_graph_requests(given)) == 8

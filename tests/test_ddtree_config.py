@@ -358,7 +358,7 @@ def test_gpt_oss_at_budget_1024_starts(tiny_models: Path, tmp_path: Path, monkey
     """vLLM's gpt-oss config hook raises the graph ceiling to 1,024 tokens when no size is
     given, before ddtree's check: a ceiling below one verify step of budget 1024, with
     which vLLM alone refuses to start. ddtree takes it as no size given."""
-    from test_ddtree_engine import other_target_pair
+    from engine_helpers import other_target_pair
 
     pair = other_target_pair(tiny_models, tmp_path, "gpt-oss")
     config = engine_config(pair, {"method": "ddtree", "tree_budget": 1024,

@@ -5,12 +5,19 @@ often guesses right, deep and off-chain acceptance happens and output stays loss
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from engine_helpers import (
+    _bool_index,
+    chi_square_p_value,
+    imperfect_logits,
+    other_target_pair,
+    random_lora,
+    windowed_pair,
+)
 
 PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(16)] + [
     f"The {w} of the {v} is" for w in ("name", "size", "end", "start", "type", "value",
@@ -178,24 +185,6 @@ def oracle_draft_logits(baseline: dict[str, list], prompt_ids: dict[tuple, str],
         return logits.flatten(0, 1).to(hidden_states.device)
 
     return draft_logits
-
-
-def imperfect_logits(truth: list[int], depth: int, vocab: int,
-                     rng: np.random.Generator) -> torch.Tensor:
-    """Per depth [depth, vocab] random logits showing the true next token (``truth``, up to
-    ``depth`` of them) first (55%), second or third (30%), or not at all (15%)."""
-    logits = torch.from_numpy(rng.normal(size=(depth, vocab)))
-    for d, true in enumerate(truth):
-        u = rng.random()
-        if u < 0.55:
-            logits[d, true] = 12.0
-        elif u < 0.85:
-            others = rng.choice(vocab, size=2, replace=False)
-            logits[d, others[0]] = 13.0
-            if u > 0.7:
-                logits[d, others[1]] = 12.5
-            logits[d, true] = 12.0
-    return logits
 
 
 def oracle_for_target(pair: Path, monkeypatch, seed: int, prompts: list[str] = PROMPTS,
@@ -581,19 +570,6 @@ def test_compiled_target_is_lossless(tiny_models: Path, baseline, prompt_ids,
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
 
 
-def windowed_pair(tiny_models: Path, out: Path, window: int) -> Path:
-    """The tiny pair with every target layer attending through a sliding window (Qwen3's
-    own config fields), as Mistral-style and gpt-oss's windowed layers do."""
-    import shutil
-
-    shutil.copytree(tiny_models / "target", out / "target")
-    (out / "drafter").symlink_to(tiny_models / "drafter")
-    config = json.loads((out / "target" / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=window, max_window_layers=0)
-    (out / "target" / "config.json").write_text(json.dumps(config))
-    return out
-
-
 @pytest.mark.slow
 def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path, monkeypatch,
                                            scheduling) -> None:
@@ -617,40 +593,6 @@ def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path, mo
     assert impls and all(i.sliding_window == 4 for i in impls)
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 4 and stats["paths_off_the_index_line"] > 0, stats
-
-
-def other_target_pair(tiny_models: Path, out: Path, family: str) -> Path:
-    """A random tiny target of another family DFlash drafts for, with the tiny pair's
-    tokenizer, and the tiny DFlash drafter (the same hidden size and vocabulary): "llama"
-    (Llama 3.1's rope scaling) or "gpt-oss" (attention sinks in every layer, a sliding window
-    of 4 positions in every other one, mixture-of-experts MLPs)."""
-    import shutil
-
-    from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    config = json.loads((tiny_models / "target" / "config.json").read_text())
-    common = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=config["vocab_size"],
-                  max_position_embeddings=4096, eos_token_id=config["eos_token_id"],
-                  bos_token_id=config["bos_token_id"])
-    torch.manual_seed(0)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(
-            **common, intermediate_size=256, head_dim=32, rope_scaling={
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 512}))
-    else:
-        model = GptOssForCausalLM(GptOssConfig(
-            **common, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
-            head_dim=64, sliding_window=4))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0, 1.0 if "sinks" in name else 0.05 if p.dim() > 1 else 0.02)
-    model.save_pretrained(out / "target")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tiny_models / "target" / name, out / "target" / name)
-    (out / "drafter").symlink_to(tiny_models / "drafter")
-    return out
 
 
 @pytest.mark.slow
@@ -680,33 +622,6 @@ def test_other_target_families_are_lossless(tiny_models: Path, tmp_path: Path, m
         assert all(i.sinks is not None for i in impls)
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 4 and stats["paths_off_the_index_line"] > 0, stats
-
-
-def random_lora(target: Path, out: Path, rank: int = 8) -> Path:
-    """A random PEFT LoRA adapter on the tiny target's q / v / o projections."""
-    import json
-
-    from safetensors.torch import save_file
-
-    config = json.loads((target / "config.json").read_text())
-    h, d = config["hidden_size"], config["head_dim"]
-    shapes = {"q_proj": (h, config["num_attention_heads"] * d),
-              "v_proj": (h, config["num_key_value_heads"] * d),
-              "o_proj": (config["num_attention_heads"] * d, h)}
-    gen = torch.Generator().manual_seed(1)
-    weights = {}
-    for layer in range(config["num_hidden_layers"]):
-        for name, (fan_in, fan_out) in shapes.items():
-            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-            weights[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.3
-            weights[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.3
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-        "target_modules": list(shapes), "bias": "none", "lora_dropout": 0.0,
-        "fan_in_fan_out": False, "base_model_name_or_path": str(target)}))
-    return out
 
 
 @pytest.mark.slow
@@ -743,33 +658,6 @@ def test_lora_requests_are_lossless(tiny_models: Path, baseline, tmp_path: Path,
     assert tree == plain
     stats = ddtree_state(llm).stats()
     assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
-
-
-def chi_square_p_value(a: list[int], b: list[int]) -> float:
-    """Two-sample chi-square test of homogeneity; bins with an expected count below 5 in
-    either sample are pooled."""
-    from collections import Counter
-
-    ca, cb = Counter(a), Counter(b)
-    na, nb = len(a), len(b)
-    bins, rest = [], [0, 0]
-    for token in set(ca) | set(cb):
-        pooled = ca[token] + cb[token]
-        if pooled * min(na, nb) / (na + nb) < 5:
-            rest[0] += ca[token]
-            rest[1] += cb[token]
-        else:
-            bins.append((ca[token], cb[token]))
-    if rest[0] + rest[1]:
-        bins.append(tuple(rest))
-    stat = 0.0
-    for x, y in bins:
-        pooled = x + y
-        for observed, n in ((x, na), (y, nb)):
-            expected = pooled * n / (na + nb)
-            stat += (observed - expected) ** 2 / expected
-    dof = len(bins) - 1
-    return float(1 - torch.special.gammainc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
 
 
 @pytest.mark.slow
@@ -875,11 +763,6 @@ def test_batching_chunked_prefill_preemption_stay_lossless(tiny_models: Path,
 DEVICE_STEP_FILES = ("runner.py", "sampling.py", "ops.py", "tree.py", "attention/backend.py",
                      "attention/tree_batch.py", "attention/triton_tree_attention.py",
                      "ranked_topk.py")
-
-
-def _bool_index(index) -> bool:
-    parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
 
 
 @pytest.mark.slow

@@ -59,7 +59,7 @@ def test_dflash_sampling_matches_the_target_distribution(tiny_models: Path,
     repeats the 1st as rarely. Threshold: the test fails when a chi-square p-value is below
     0.001 (fixed seeds: deterministic). With vLLM's CPU stand-in for the Triton expand
     kernel unfixed (patch 0010), every p-value is 0 and most 2nd tokens repeat the 1st."""
-    from test_ddtree_engine import chi_square_p_value
+    from engine_helpers import chi_square_p_value
     from vllm import LLM, SamplingParams
 
     repeat_the_last_token(monkeypatch)

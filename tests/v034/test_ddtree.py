@@ -52,7 +52,7 @@ def test_greedy_is_lossless_with_deep_off_spine_paths(target_alone: dict, method
 def test_sampling_keeps_the_target_distribution() -> None:
     """Temperature 1: the 2nd and 3rd generated tokens (the first drafted ones) are
     distributed as without speculation (chi-square p > 0.001, fixed seeds)."""
-    from test_ddtree_engine import chi_square_p_value
+    from engine_helpers import chi_square_p_value
 
     n, model = 1500, str(PAIR / "target")
     common = dict(prompts=["def main():"] * n, max_tokens=3, max_num_seqs=64,
@@ -302,7 +302,7 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) ->
     import sys
 
     import torch
-    from test_ddtree_engine import _bool_index
+    from engine_helpers import _bool_index
     from vllm import LLM, SamplingParams
 
     pkg = str(REPO / "vllm_ddtree") + "/"

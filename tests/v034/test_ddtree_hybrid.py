@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import oracle_tree_logits
 from engine_runs import tree_stats
-from test_ddtree_targets import oracle_tree_logits
 
 PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(8)]
 MAX_TOKENS = 20

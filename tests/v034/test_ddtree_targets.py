@@ -9,39 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
+from engine_helpers import oracle_tree_logits
 from engine_runs import generate
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(8)]
-
-
-def oracle_tree_logits(continuations: dict[tuple, list[int]], seed: int):
-    """``DDTreeSpeculator.draft_logits_at`` for a drafter that knows each prompt's greedy
-    continuation (by prompt token ids) and shows it imperfectly (0.32's oracle's schedule:
-    test_ddtree_engine.imperfect_logits). It reads each request's tokens so far from the
-    runner's request states (on the host: a test's drafter may sync)."""
-    from test_ddtree_engine import imperfect_logits
-
-    def draft_logits_at(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        depth, states = self.depth, self.req_states
-        rows = hidden_states.shape[0] // depth
-        vocab = self.model.compute_logits(hidden_states[:1]).shape[-1]
-        logits = torch.zeros(rows, depth, vocab)
-        slots = self.sample_idx_mapping[:rows * depth:depth].tolist()
-        for r, slot in enumerate(slots):
-            if slot < 0:
-                continue
-            n, prompt_len = int(states.total_len.gpu[slot]), int(states.prompt_len.np[slot])
-            seq = states.all_token_ids.gpu[slot, :n].tolist()
-            truth, done = continuations[tuple(seq[:prompt_len])], n - prompt_len
-            rng = np.random.default_rng([seed, n, *seq[-3:]])
-            logits[r] = imperfect_logits(truth[done:done + depth], depth, vocab, rng)
-        return logits.flatten(0, 1).to(hidden_states.device)
-
-    return draft_logits_at
 
 
 def assert_lossless_with_the_oracle(pair: Path, monkeypatch: pytest.MonkeyPatch,
@@ -67,7 +40,7 @@ def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Every layer sees 4 positions back: tree nodes lose context and upper ancestors to
     the window by position (siblings share one), as the target alone does there."""
-    from test_ddtree_engine import windowed_pair
+    from engine_helpers import windowed_pair
 
     windowed = assert_lossless_with_the_oracle(
         windowed_pair(tiny_models, tmp_path, window=4), monkeypatch, seed=8)
@@ -79,7 +52,7 @@ def test_sliding_window_target_is_lossless(tiny_models: Path, tmp_path: Path,
 def test_other_target_families_are_lossless(tiny_models: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch,
                                             family: str) -> None:
-    from test_ddtree_engine import other_target_pair
+    from engine_helpers import other_target_pair
 
     assert_lossless_with_the_oracle(other_target_pair(tiny_models, tmp_path, family),
                                     monkeypatch, seed=9)
@@ -90,8 +63,8 @@ def test_lora_requests_are_lossless(tiny_models: Path, tmp_path: Path,
     """Half the requests with a LoRA adapter (the target's output changes), trees accepted
     deep and off the spine (the oracle drafter, shown the adapted continuations): output
     equals the target alone's with the same adapter."""
+    from engine_helpers import random_lora
     from engine_runs import tree_stats
-    from test_ddtree_engine import random_lora
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest

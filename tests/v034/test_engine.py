@@ -64,7 +64,7 @@ def test_dflash_is_lossless_with_the_acceptance_of_032() -> None:
 def test_sampling_keeps_the_target_distribution(tiny_models: Path) -> None:
     """Temperature 1: the 2nd and 3rd generated tokens (the ones the chain drafts) are
     distributed as without speculation (chi-square p > 0.001, fixed seeds)."""
-    from test_ddtree_engine import chi_square_p_value
+    from engine_helpers import chi_square_p_value
 
     n, model = 1500, str(tiny_models / "target")
     common = dict(prompts=["def main():"] * n, max_tokens=3, max_num_seqs=64,
@@ -92,7 +92,7 @@ def test_qwen3_next_bf16_equals_032(tiny_hybrid: Path) -> None:
 @pytest.mark.slow
 def test_gpt_oss_equals_032(tiny_models: Path, tmp_path: Path) -> None:
     """Mixture-of-experts MLPs, attention sinks, a sliding window in every other layer."""
-    from test_ddtree_engine import other_target_pair
+    from engine_helpers import other_target_pair
 
     pair = other_target_pair(tiny_models, tmp_path, "gpt-oss")
     run = dict(model=str(pair / "target"), prompts=PROMPTS, max_tokens=24)

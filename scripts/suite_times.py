@@ -4,10 +4,10 @@ writes .test-times.xml): test time per file (setup, call and teardown summed ove
 file's tests; with parallel workers the files share the wall time) and the slowest tests,
 as markdown.
 
-    scripts/suite_times.py .test-times.xml .test-times-034.xml --wall 1500 \
+    scripts/suite_times.py .test-times.xml --wall 1500 \
         --note "scripts/test.sh, 2 workers" --out docs/test-suite-times.md
 
-Several files (scripts/test.sh's two environments write one each) make one report.
+Several files (runs of parts of the suite) make one report.
 """
 
 from __future__ import annotations

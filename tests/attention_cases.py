@@ -154,7 +154,7 @@ def require_cpu_attn_isa(isa: str, dtype: torch.dtype) -> None:
     """Skips unless the CPU library vLLM loaded here has CPU_ATTN kernels for ``isa``: vLLM
     loads ``_C`` (with amx) only on a CPU with AVX512-BF16, else ``_C_AVX512`` or
     ``_C_AVX2``, built without amx. Packing one token runs no tile instruction."""
-    from vllm import _custom_ops as ops
+    from vllm import _cpu_ops as ops
 
     kv = torch.zeros(1, 1, 64, 64, dtype=dtype)
     try:

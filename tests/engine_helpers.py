@@ -30,9 +30,10 @@ def imperfect_logits(truth: list[int], depth: int, vocab: int,
 
 def oracle_tree_logits(continuations: dict[tuple, list[int]], seed: int):
     """``DDTreeSpeculator.draft_logits_at`` for a drafter that knows each prompt's greedy
-    continuation (by prompt token ids) and shows it imperfectly (0.32's oracle's schedule:
-    test_ddtree_engine.imperfect_logits). It reads each request's tokens so far from the
-    runner's request states (on the host: a test's drafter may sync)."""
+    continuation (by prompt token ids) and shows it imperfectly (imperfect_logits). It reads
+    each request's tokens so far from the runner's request states (on the host: a test's
+    drafter may sync)."""
+
     def draft_logits_at(self, hidden_states: torch.Tensor) -> torch.Tensor:
         depth, states = self.depth, self.req_states
         rows = hidden_states.shape[0] // depth
@@ -156,3 +157,9 @@ def chi_square_p_value(a: list[int], b: list[int]) -> float:
 def _bool_index(index) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+
+
+def language_model_only(pair: Path) -> dict:
+    """Engine settings for a tiny Qwen3.5, whose checkpoint holds no vision tower."""
+    config = json.loads((pair / "target/config.json").read_text())
+    return {"limit_mm_per_prompt": {"image": 0, "video": 0}} if "vision_config" in config else {}

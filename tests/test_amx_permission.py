@@ -75,7 +75,7 @@ def test_tree_attn_cpu_calls_use_cpu_attns_isa(monkeypatch, dtype) -> None:
 
     from attention_cases import make_batch
     from test_tree_attention_backend import run_cpu_mixed_batch
-    from vllm import _custom_ops as ops
+    from vllm import _cpu_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from vllm_ddtree.attention import cpu_backend
@@ -170,7 +170,7 @@ def serve_bf16_ddtree_then_the_target() -> dict:
         if spec is not None:
             runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
                 .worker.model_runner
-            result["stats"] = runner.drafter.ddtree_state.stats()
+            result["stats"] = runner.speculator.verifier.stats()
             result["isa"] = sorted({m.isa for m in runner.model.modules()
                                     if hasattr(m, "isa")})
         else:

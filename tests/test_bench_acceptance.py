@@ -44,9 +44,8 @@ def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> Non
         assert "verify forward" in r["breakdown_ms_per_forward"]
         if mode.startswith("ddtree"):
             assert "walk + compaction" in r["breakdown_ms_per_forward"]
-            # A spine of at most the drafter's 7 positions is its greedy chain: no tree built.
-            chain = mode in ("ddtree B=4 spine", "ddtree B=8 spine, 6 tokens/step")
-            assert ("tree build" in r["breakdown_ms_per_forward"]) != chain, mode
+            # Every step builds (a spine of at most the drafter's 7 positions builds the chain).
+            assert "tree build" in r["breakdown_ms_per_forward"], mode
     table = (out / "acceptance.md").read_text()
     assert "| ddtree B=8 | 1 |" in table and "identical across modes: yes" in table
     speed = table.split("Tokens/s over the dflash chain's:")[1]

@@ -37,7 +37,7 @@ def bench(out: Path, models: Path, *args: str, env: dict | None = None
 def test_bench_gpu_throughput_tiny(tmp_path: Path) -> None:
     data, table = bench(tmp_path / "full", tmp_path / "models", "--concurrency", "1", "2",
                         "--output-len", "64", "--tree", "16:5.5", "4:9.0", "--dynamic",
-                        "16:24", "--no-v1-chain")
+                        "16:24")
     # A 4-node tree is at most 4 deep: acceptance 9 is refused at config time.
     assert [f["mode"] for f in data["failed"]] == ["ddtree B=4"]
     assert "synthetic_acceptance_length" in data["failed"][0]["reason"]
@@ -73,7 +73,7 @@ def test_bench_gpu_throughput_tiny(tmp_path: Path) -> None:
     standin = importlib.util.find_spec("gpu_machine.standin_ops") is not None
     data, table = bench(tmp_path / "tiny-budget", tmp_path / "models", "--concurrency", "1",
                         "--output-len", "8", "--time-budget-s", "0", "--tree", "16:5.5",
-                        "--dynamic", "16:24", "--no-v1-chain",
+                        "--dynamic", "16:24",
                         env={"VLLM_DDTREE_STANDIN_OPS": "1"} if standin else None)
     assert [r["mode"] for r in data["results"]] == ["no speculation"]
     assert [s["mode"] for s in data["skipped"]] == [chain, tree, dynamic]
@@ -105,18 +105,17 @@ def test_time_budget_estimate_and_skip() -> None:
 def test_modes_order_and_settings() -> None:
     from bench_gpu_throughput import engine_kwargs, modes
 
-    plan = modes("D", 15, 6.9, [(128, 9.19), (64, 7.16)], [(64, 512)], 32, v1_chain=True)
+    plan = modes("D", 15, 6.9, [(128, 9.19), (64, 7.16)], [(64, 512)], 32)
     assert [m.name for m in plan] == [
         "no speculation", "dflash chain k=15", "ddtree B=128", "ddtree B=64",
-        "ddtree B=64 dynamic <=512 tokens/step", "dflash chain k=15, V1 runner"]
-    chain, dynamic, v1 = plan[1], plan[4], plan[5]
+        "ddtree B=64 dynamic <=512 tokens/step"]
+    chain, dynamic = plan[1], plan[4]
     assert chain.spec == {"method": "dflash", "model": "D", "num_speculative_tokens": 15,
                           "rejection_sample_method": "synthetic",
                           "synthetic_acceptance_length": 6.9}
     assert plan[2].spec["tree_budget"] == 128 and plan[2].requested_acceptance == 9.19
     assert dynamic.concurrencies == [32] and dynamic.requested_acceptance == 7.16
     assert dynamic.spec["num_speculative_tokens_per_batch_size"][-1][1:] == (32, 15)
-    assert v1.spec == chain.spec and v1.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert all(m.spec["rejection_sample_method"] == "synthetic" for m in plan[1:])
 
     merged = engine_kwargs({"compilation_config": {"custom_ops": ["none"]}, "seed": 0},

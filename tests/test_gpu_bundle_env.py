@@ -28,10 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ddtree.upstream import WHEEL_CACHE, cache_lock
+from vllm_ddtree.upstream import WHEEL_CACHE, cache_lock, pinned_version
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
+PIN = pinned_version()
 # The lent machine's image (the device tool's KINDS.md, 2026-11): versions where known.
 H200_PACKAGES = (
     "torch==2.11.0", "transformers==5.17.0", "tokenizers==0.23.2", "numpy==2.5.2",
@@ -93,13 +94,16 @@ def run(py: Path, code: str, env: dict[str, str], *args: str, check: bool = True
 @pytest.fixture(scope="session")
 def staged(bundle: Path, h200_like_python: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> dict[str, str]:
-    """The bundle staged as on the machine: command 1's folder carried alone (told what is
-    missing), then command 2's; the series applied, the native ops built for this Python.
-    Returns the environment the staged bundle runs in."""
+    """The bundle staged as on the machine: each command's folder carried alone, in order
+(told what is still missing until the last); the series applied, the native ops built for
+this Python. Returns the environment the staged bundle runs in."""
     work = tmp_path_factory.mktemp("stage")
     env_file = work / "env.sh"
     py = str(h200_like_python)
-    for number, want in ((1, 3), (2, 0)):
+    numbers = [c["number"] for c in json.loads((bundle / "manifest.json").read_text())[
+        "commands"]]
+    for number in numbers:
+        want = 0 if number == numbers[-1] else 3
         carried = work / f"carried-{number}"
         shutil.copytree(bundle / f"command-{number}", carried / f"command-{number}")
         done = subprocess.run([py, "-m", "gpu_machine.stage", "--bundle",
@@ -127,7 +131,7 @@ def test_the_bundle_holds_what_the_dense_path_needs_in_few_commands(bundle: Path
     assert manifest["expects"] == {"python": "3.12", "torch": "2.11", "cuda": "13.0"}
     assert [c["name"] for c in manifest["components"]] == [
         "vllm-python", "vllm-c", "vllm-fa3", "deps"]
-    assert len(manifest["commands"]) == 2  # 81 MiB: two commands beside the working tree
+    assert len(manifest["commands"]) == 3  # 95 MiB (vLLM 0.34): three beside the working tree
     for cmd in manifest["commands"]:
         files = sorted((bundle / f"command-{cmd['number']}").iterdir())
         assert {f.name for f in files} == {*cmd["parts"], "manifest.json"}
@@ -141,7 +145,7 @@ def test_the_bundle_holds_what_the_dense_path_needs_in_few_commands(bundle: Path
     data = b"".join(next(bundle.glob(f"command-*/{p}")).read_bytes() for p in python["parts"])
     with tarfile.open(fileobj=lzma.LZMAFile(__import__("io").BytesIO(data))) as tar:
         names = tar.getnames()
-    assert "vllm/platforms/cuda.py" in names and "vllm-0.32.0.dist-info/METADATA" in names
+    assert "vllm/platforms/cuda.py" in names and f"vllm-{PIN}.dist-info/METADATA" in names
     for absent in ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs",
                    "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/_C_stable_libtorch.abi3.so"):
         assert absent not in names
@@ -173,9 +177,10 @@ config = EngineArgs(model=str(target), load_format="dummy", dtype="bfloat16",
                         "method": "ddtree", "model": str(drafter), "tree_budget": 128}
                     ).create_engine_config()
 spec = config.speculative_config
+options = spec.speculator_options
 print(config.model_config.hf_config.num_hidden_layers, spec.draft_model_config.hf_config
-      .num_hidden_layers, spec.tree_budget, spec.tree_depth, spec.num_speculative_tokens,
-      config.attention_config.backend.name)
+      .num_hidden_layers, options["tree_budget"], options["tree_depth"],
+      spec.num_speculative_tokens, config.attention_config.backend)
 """
 
 
@@ -183,14 +188,15 @@ def test_staged_vllm_configures_ddtree_at_qwen3_8b_shapes(staged: dict[str, str]
                                                           h200_like_python: Path,
                                                           tmp_path: Path) -> None:
     done = run(h200_like_python, "import vllm; print(vllm.__version__, vllm.__file__)", staged)
-    assert done.stdout.split()[0] == "0.32.0"
+    assert done.stdout.split()[0] == PIN
     assert done.stdout.split()[1].startswith(staged["SITE"])
     done = run(h200_like_python, "import sys; from vllm_ddtree.selfcheck import main; "
                "sys.exit(main())", staged)
     assert "vllm-ddtree selfcheck: all 9 checks passed" in done.stdout, done.stdout
     done = run(h200_like_python, CONFIGURE, staged, str(tmp_path))
-    # 36 target layers, 5 drafter layers, budget 128, depth 15 (block 16), TREE_ATTN.
-    assert done.stdout.split()[-6:] == ["36", "5", "128", "15", "128", "TREE_ATTN"], \
+    # 36 target layers, 5 drafter layers, budget 128, depth 15 (block 16); on the CPU platform
+    # no backend is selected here (the speculator takes CPU_ATTN's place at engine start).
+    assert done.stdout.split()[-6:] == ["36", "5", "128", "15", "128", "None"], \
         done.stdout[-2000:]
 
 

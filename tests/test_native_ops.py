@@ -83,6 +83,18 @@ def test_plugin_entry_point_registers_ops_idempotently() -> None:
     assert vllm_ddtree._registered and hasattr(torch.ops.vllm_ddtree, "tree_positions")
 
 
+def test_the_plugin_refuses_another_vllm_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_ddtree
+    from vllm_ddtree import upstream
+
+    monkeypatch.setattr(vllm_ddtree, "_registered", False)
+    monkeypatch.setattr(upstream, "tree_version", lambda root: "0.33.0")
+    pin = upstream.pinned_version()
+    with pytest.raises(RuntimeError, match=rf"this vLLM is 0\.33\.0, but vllm-ddtree is for "
+                       rf"vLLM {pin}"):
+        vllm_ddtree.register()
+
+
 @pytest.mark.slow
 def test_every_cuda_source_compiles_with_nvcc() -> None:
     result = subprocess.run([sys.executable, str(REPO / "scripts/check_cuda_compile.py")],

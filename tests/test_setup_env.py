@@ -7,7 +7,7 @@ import sysconfig
 from pathlib import Path
 
 from vllm_ddtree.patching.installer import STATE_DIR
-from vllm_ddtree.upstream import installed_vllm_root
+from vllm_ddtree.upstream import installed_vllm_root, pinned_version
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ def fingerprint() -> dict[str, tuple[int, bytes]]:
     # (tests/test_gpu_bundle_env.py).
     native_ops = REPO / "vllm_ddtree" / f"_C{sysconfig.get_config_var('EXT_SUFFIX')}"
     paths = [native_ops, root / STATE_DIR / "state.json",
-             root / "vllm/config/speculative.py"]
+             root / "vllm/config/vllm.py"]
     return {str(p): (p.stat().st_mtime_ns, p.read_bytes()) for p in paths}
 
 
@@ -27,7 +27,7 @@ def test_rerun_changes_nothing() -> None:
     result = subprocess.run(["bash", str(REPO / "scripts/setup_env.sh")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "vLLM 0.32.0 already installed" in result.stdout
+    assert f"vLLM {pinned_version()} CPU stand-in already installed" in result.stdout
     assert "native ops up to date" in result.stdout
     assert "already applied: nothing changed" in result.stdout
     assert fingerprint() == before

@@ -52,12 +52,14 @@ def test_same_seed_same_bytes(tiny_hybrid: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_greedy_is_the_same_batched_and_alone_with_large_margins(tiny_hybrid: Path) -> None:
     from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
     gen = torch.Generator().manual_seed(1)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(
         4, 1000, (int(torch.randint(8, 41, (1,), generator=gen)),), generator=gen).tolist())
         for _ in range(8)]
+    cleanup_dist_env_and_memory()  # Qwen3-Next's experts need their own parallel group
     llm = LLM(model=str(tiny_hybrid / "target"), enforce_eager=True, max_model_len=512, seed=0,
               dtype="bfloat16", max_num_seqs=8, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
@@ -85,8 +87,9 @@ def test_qwen3_5_target_is_the_same_function(tiny_hybrid: Path, tiny_qwen3_5: Pa
     greedy, so what differs between them is Qwen3.5's own code (its M-RoPE positions among
     it), and so does the text-only checkpoint, which vLLM runs with 1-D RoPE. Their tokenizer
     differs (transformers' Qwen3.5 class splits digits): token prompts."""
-    from test_ddtree_hybrid import language_model_only
+    from engine_helpers import language_model_only
     from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
     config = json.loads((tiny_qwen3_5 / "target/config.json").read_text())
@@ -103,12 +106,13 @@ def test_qwen3_5_target_is_the_same_function(tiny_hybrid: Path, tiny_qwen3_5: Pa
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = {}
     for pair in (tiny_hybrid, tiny_qwen3_5, tiny_qwen3_5_text):
+        cleanup_dist_env_and_memory()
         llm = LLM(model=str(pair / "target"), enforce_eager=True, max_model_len=512, seed=0,
                   dtype="bfloat16", max_num_seqs=8, enable_prefix_caching=False,
                   **language_model_only(pair))
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
             .model_runner
-        assert runner.uses_mrope == (pair == tiny_qwen3_5)
+        assert (runner.model_state.rope_state is not None) == (pair == tiny_qwen3_5)  # M-RoPE
         outputs[pair] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                       use_tqdm=False)]
         del llm

@@ -58,20 +58,21 @@ def random_pair(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory, req
 def test_drafter_and_target_match_vllm(random_pair, monkeypatch) -> None:
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.runner import DDTreeProposer
+    from vllm_ddtree.spec_decode.speculator import DDTreeSpeculator
 
     out, target, drafter, mask_id, recipe = random_pair
     depth = SMALL.block_size - 1
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
-    vllm_draft_logits = DDTreeProposer.draft_logits
+    vllm_draft_logits = DDTreeSpeculator.draft_logits_at
 
     def recording(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = vllm_draft_logits(self, hidden_states)
-        positions = self.positions[: logits.shape[0] // depth * (1 + depth)]
+        # The mask queries' positions (the rows the logits are of).
+        positions = self.input_buffers.positions[self.sample_indices[:logits.shape[0]]]
         steps.append((positions.clone(), logits.clone()))
         return logits
 
-    monkeypatch.setattr(DDTreeProposer, "draft_logits", recording)
+    monkeypatch.setattr(DDTreeSpeculator, "draft_logits_at", recording)
     common = dict(enforce_eager=True, max_model_len=256, seed=0, dtype="float32",
                   max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -96,8 +97,8 @@ def test_drafter_and_target_match_vllm(random_pair, monkeypatch) -> None:
 
     # The drafter: at each step, context = every token before the bonus token.
     for positions, vllm_logits in steps:
-        n = int(positions[0])
-        assert positions.tolist() == list(range(n, n + 1 + depth))
+        n = int(positions[0]) - 1  # the bonus token's position
+        assert positions.tolist() == list(range(n + 1, n + 1 + depth))
         _, ctx = target(seq[None, :n])
         block = torch.tensor([[int(seq[n])] + [mask_id] * depth])
         mask = torch.ones(1, 1 + depth, n + 1 + depth, dtype=torch.bool)

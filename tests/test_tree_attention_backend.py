@@ -1,59 +1,37 @@
-"""The TREE_ATTN backend inside vLLM on the CPU: `--attention-backend TREE_ATTN` loads
-vllm_ddtree's CPU backend and, with no trees, generates exactly what CPU_ATTN generates;
-in a batch mixing tree and plain requests, the backend's metadata builder and forward (CPU_ATTN
-runs for plain requests, masked attention for tree requests) match the dense reference; the
-tree path reads every packing of CPU_ATTN's cache right; and so do the
+"""The TREE_ATTN backend inside vLLM on the CPU: registered by name, taking CPU_ATTN's place
+under ddtree; in a batch mixing tree and plain requests, the backend's metadata builder and
+forward (CPU_ATTN runs for plain requests, masked attention for tree requests) match the
+dense reference; the tree path reads every packing of CPU_ATTN's cache right; and so do the
 CUDA backend's metadata builder and forward, run on CPU tensors under Triton's interpreter."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from attention_cases import dense_reference, make_batch, require_cpu_attn_isa
 
-PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox"]
 
-
-def generate(tiny_models: Path, **kwargs) -> tuple[list, object]:
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(tiny_models / "target"), enforce_eager=True, max_model_len=512,
-              seed=0, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs], llm
-
-
-@pytest.mark.slow
-def test_forced_tree_attn_runs_and_matches_cpu_attn(tiny_models: Path) -> None:
-    from vllm_ddtree.attention.cpu_backend import TreeAttentionCPUImpl
-
-    with_tree_attn, llm = generate(tiny_models, attention_backend="TREE_ATTN")
-    model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
-        .model_runner.model
-    impls = {type(m.impl) for m in model.modules() if hasattr(m, "impl")}
-    assert impls == {TreeAttentionCPUImpl}, impls
-    del llm, model
-    assert with_tree_attn == generate(tiny_models)[0]
-
-
-def test_enum_member_and_cpu_selection() -> None:
+def test_tree_attn_is_registered_and_takes_cpu_attns_place() -> None:
+    """The plugin registers TREE_ATTN by name (this platform's implementation); a ddtree
+    engine's speculator makes the CPU platform, which answers CPU_ATTN whatever is selected,
+    answer TREE_ATTN's CPU backend (CPU_ATTN itself for rows without a tree)."""
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
+    import vllm_ddtree
     from vllm_ddtree.attention import CPU_BACKEND_PATH
+    from vllm_ddtree.spec_decode.speculator import _tree_attention_on_cpu
 
-    member = AttentionBackendEnum["TREE_ATTN"]
-    assert member.get_path() == "vllm_ddtree.attention.backend.TreeAttentionBackend"
+    vllm_ddtree.register()
+    assert AttentionBackendEnum["TREE_ATTN"].get_path() == CPU_BACKEND_PATH
     config = AttentionSelectorConfig(**{f: False for f in AttentionSelectorConfig._fields} | {
         "head_size": 64, "dtype": torch.bfloat16, "kv_cache_dtype": "auto",
         "block_size": 32, "attn_type": "decoder"})
-    assert CpuPlatform.get_attn_backend_cls(member, config) == CPU_BACKEND_PATH
-    assert CpuPlatform.get_attn_backend_cls(None, config).endswith("CPUAttentionBackend")
+    _tree_attention_on_cpu()
+    assert CpuPlatform.get_attn_backend_cls(None, config) == CPU_BACKEND_PATH
 
 
 def cpu_builder(batch, dtype, window: int | None = None):
@@ -176,7 +154,7 @@ def test_the_probed_layout_reads_what_cpu_attn_wrote(isa, dtype, page, head_size
     the probed layout, at blocks of more than 256 tokens too (a hybrid target's attention
     blocks take 640 on CPU; bf16 holds integers exactly only up to 256)."""
     require_cpu_attn_isa(isa, dtype)
-    from vllm import _custom_ops as ops
+    from vllm import _cpu_ops as ops
 
     from vllm_ddtree.attention.cpu_backend import block_reading, read_tiles
 

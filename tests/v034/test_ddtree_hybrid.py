@@ -1,7 +1,7 @@
 """Method "ddtree" on V2 with hybrid targets (Gated DeltaNet + full attention): a tiny
 Qwen3-Next (scripts/make_tiny_models.py --hybrid), the same model as a Qwen3.5 (M-RoPE) and
 as a text-only Qwen3.5. Every tree node's recurrent layers run over its own path
-(next/0005's hook, vllm_ddtree/recurrent/), the accepted path is committed into the
+(patch 0005's hook, vllm_ddtree/recurrent/), the accepted path is committed into the
 state slot the next step reads, and greedy output is the target's own, token for token,
 with trees accepted deep and off the chain (an oracle drafter: test_ddtree_targets.py). The
 CPU GDN path runs in bf16 only; the tiny target's greedy margins are far above bf16 noise

@@ -1,8 +1,8 @@
 """`vllm serve` with method "ddtree" on V2, given in the dotted CLI form with the documented
-top-level tree field (`--speculative-config.tree_budget`, patch next/0001): completions and
+top-level tree field (`--speculative-config.tree_budget`, patch 0001): completions and
 chat completions, streaming or not, agree; seeded sampling repeats; logprobs, penalties with
 n, structured output are served; /metrics counts tree nodes; a client leaving mid-stream
-costs the others nothing. (0.32's tests/test_ddtree_serve.py, on V2.)"""
+costs the others nothing."""
 
 from __future__ import annotations
 

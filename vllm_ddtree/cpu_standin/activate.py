@@ -39,7 +39,7 @@ def _check_version(module: ModuleType) -> None:
         raise ImportError(
             f"vLLM {found}: the CPU stand-in checked its op schemas (torch.ops._C."
             f"fused_experts_cpu first among them) and Triton kernels for vLLM {VLLM_VERSION} "
-            f"only; rebuild with scripts/setup_env.sh --vllm {VLLM_VERSION}")
+            f"only; rebuild with scripts/setup_env.sh")
 
 
 def _after_op_library(module: ModuleType) -> None:

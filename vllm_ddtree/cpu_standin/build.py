@@ -1,5 +1,6 @@
 """Builds the stand-in environment into the running Python's environment (a venv):
-``python -m vllm_ddtree.cpu_standin.build``, called by ``scripts/setup_env.sh --vllm``.
+``python -m vllm_ddtree.cpu_standin.build``, called by ``scripts/setup_env.sh`` on a
+machine without a GPU.
 
 Each step is skipped when done, so a re-run takes seconds.
 """
@@ -7,7 +8,6 @@ Each step is skipped when done, so a re-run takes seconds.
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import importlib.util
 import subprocess
 import sys
 import sysconfig
@@ -74,7 +74,7 @@ def refusal(version: str) -> str | None:
     if gpu_marker() is not None:
         return (f"this machine has a GPU ({gpu_marker()}): the vLLM {version} CPU stand-in's "
                 "op library is a CPU build; refusing to build it (scripts/setup_env.sh "
-                "without --vllm installs the CUDA build of the pinned vLLM)")
+                "installs the CUDA build of the pinned vLLM there)")
     return None
 
 
@@ -97,25 +97,10 @@ def main(version: str) -> int:
         stamp.write_text(f"{library.name}\n")
     else:
         say(f"vLLM {VLLM_VERSION} CPU stand-in already installed")
-    # The test tools (tests/v034 run here), and the benchmarks' plotting.
-    if not all(importlib.util.find_spec(m)
-               for m in ("pytest", "xdist", "hypothesis", "matplotlib")):
-        pip("pytest", "pytest-xdist", "hypothesis", "matplotlib")
-    # The settings, at every start of this environment's Python (activate.py).
+    # The settings, at every start of this environment's Python (activate.py). vLLM finds
+    # vllm_ddtree as a plugin by the entry point of its editable install (setup_env.sh).
     (site / PTH_NAME).write_text(f"{REPO_ROOT}\nimport vllm_ddtree.cpu_standin.activate\n")
-    install_plugin_entry_point(site)
     return 0
-
-
-def install_plugin_entry_point(site: Path) -> None:
-    """vllm_ddtree as vLLM's general plugin here: the package is on the path (the .pth
-    file), and vLLM finds plugins by entry point, which this metadata declares."""
-    info = site / "vllm_ddtree_standin-0.1.0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-ddtree-standin\n"
-                                   "Version: 0.1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n")
 
 
 if __name__ == "__main__":

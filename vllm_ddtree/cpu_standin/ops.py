@@ -46,7 +46,7 @@ def check_schemas(loaded: dict[str, str] | None = None,
             raise ImportError(
                 f"op {name} of the loaded op library has the schema {schema}, {seen} "
                 f"(vLLM {VLLM_VERSION} CPU stand-in, library of {OP_LIBRARY_DIST} "
-                f"{OP_LIBRARY_VERSION}): rebuild with scripts/setup_env.sh --vllm {VLLM_VERSION}")
+                f"{OP_LIBRARY_VERSION}): rebuild with scripts/setup_env.sh")
 
 
 # CPUActMethod values of vllm._cpu_ops (0.34) that 0.32's fused_experts_cpu computes.

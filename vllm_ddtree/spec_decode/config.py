@@ -4,7 +4,7 @@ They are registered with ``register_speculative_method`` (vllm_ddtree.register, 
 process) as configs built on DFlash's: vLLM then moves the name to ``custom_method``, sets
 ``method = "dflash"``, and DFlash's whole set-up (draft model config, aux hidden states of the
 target, context handling) applies. The tree fields go in ``speculator_options`` (vLLM refuses
-unknown top-level fields of the speculative config); patch 0001 of patches/next moves the
+unknown top-level fields of the speculative config); patch 0001 moves the
 documented top-level ones there (``with_speculator_options``):
 
     {"method": "ddtree", "model": DRAFTER, "tree_budget": 64}
@@ -19,6 +19,7 @@ every process, so this one imports no speculator.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -38,6 +39,7 @@ from vllm_ddtree.config import (
     verify_target_model,
 )
 
+logger = logging.getLogger("vllm.ddtree")
 # The user's fields, and the depth the resolved options carry too.
 OPTION_NAMES = (*TREE_FIELDS, "tree_depth")
 METHODS = ("ddtree", "jetspec")
@@ -67,7 +69,7 @@ class TreeOptions:
 def with_speculator_options(spec: dict) -> dict:
     """The documented form of a ddtree or jetspec speculative config (tree fields at the top
     level) as vLLM 0.34 takes it: under ``speculator_options``. Called on the user's
-    dict by EngineArgs (patch 0001 of patches/next); other methods' configs are returned
+    dict by EngineArgs (patch 0001); other methods' configs are returned
     as they are."""
     if spec.get("method") not in METHODS:
         return spec
@@ -202,19 +204,58 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
 
 
 def verify_vllm_config(vllm_config: Any) -> None:
-    """In VllmConfig.__post_init__ (patch 0002 of patches/next), before the CUDA graph
-    sizes are resolved: what needs more than the speculative config."""
+    """In VllmConfig.__post_init__ (patch 0002), before the CUDA graph sizes are resolved:
+    what needs more than the speculative config."""
+    from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
     model, cc = vllm_config.model_config, vllm_config.compilation_config
+    budget = vllm_config.speculative_config.num_speculative_tokens
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if budget + 1 > tokens:
+        raise ValueError(f"speculative_config.tree_budget is {budget}: a verify step needs "
+                         f"tree_budget + 1 = {budget + 1} tokens, more than "
+                         f"max_num_batched_tokens ({tokens})")
     if model is not None and model.is_hybrid:
         _verify_recurrent_engine(vllm_config.cache_config, current_platform)
         _verify_stash_fits(vllm_config, _memory_beside_kv_cache(vllm_config,
                                                                 current_platform))
+        if current_platform.is_cuda() and cc.cudagraph_mode != CUDAGraphMode.NONE:
+            # The GDN layers' tree path reads the step's trees on the host (the forest of
+            # spec rows, the stash, the commit): a captured graph would replay its capture's.
+            logger.warning("method 'ddtree' on a hybrid target runs without CUDA graphs "
+                           "(the Gated DeltaNet tree path is not graph-safe yet)")
+            cc.cudagraph_mode = CUDAGraphMode.NONE
+    if not current_platform.is_cpu():  # the CPU platform: the speculator (CPU_ATTN's place)
+        select_tree_attention(vllm_config)
     if (cc.max_decode_cudagraph_capture_requests is None
             and cc.decode_cudagraph_capture_request_sizes is None):
         cc.max_decode_cudagraph_capture_requests = min(
             DECODE_GRAPH_REQUESTS, vllm_config.scheduler_config.max_num_seqs)
+
+
+def select_tree_attention(vllm_config: Any) -> None:
+    """The target attends through TREE_ATTN: selected unless the user chose it; another
+    backend the user chose is refused. DFlash's drafter loads with a copy of the config
+    (its own attention settings, this hook run again): a non-causal drafter's copy, or one
+    with the backend speculative_config.attention_backend names, keeps its choice; a causal
+    JetSpec head's copy gets TREE_ATTN too, which attends without trees for the drafter's
+    layers (TreeBatch.excluded_layers)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    attention, tree = vllm_config.attention_config, AttentionBackendEnum["TREE_ATTN"]
+    drafter_backend = vllm_config.speculative_config.attention_backend
+    if attention.use_non_causal or (drafter_backend is not None
+                                    and attention.backend == drafter_backend):
+        return
+    if attention.backend is None:
+        attention.backend = tree
+    elif attention.backend != tree:
+        raise ValueError(f"attention_config.backend is {attention.backend.name}, which "
+                         f"cannot attend over a token tree: methods 'ddtree' and 'jetspec' "
+                         f"need TREE_ATTN (leave --attention-backend unset or set it to "
+                         f"TREE_ATTN; speculative_config.attention_backend sets the "
+                         f"drafter's)")
 
 
 def _refuse_parallel_settings(parallel: Any, method: str) -> None:

@@ -15,7 +15,7 @@
 Requests whose processing reads the drafts before a row as its history draft chains and
 are verified as chains (TreeStore). Synthetic acceptance (benchmarking only) overrides the
 target's choices along a drawn path (vllm_ddtree/synthetic.py). Recurrent (Gated DeltaNet)
-layers verify the step's trees through the hooks of patches 0005 / 0008 (patches/next)
+layers verify the step's trees through the hooks of patches 0005 / 0008
 (vllm_ddtree/recurrent/gdn_verify.py), told the trees in ``begin_step``; the accepted path's
 state is committed after the walk, with the KV compaction.
 """
@@ -74,7 +74,7 @@ class TreeVerifier:
         if layers:
             self.gdn = GDNTreeVerify(self.max_depth)
             for layer in layers:
-                layer.ddtree_verify = self.gdn  # read by next/0005's and next/0008's hooks
+                layer.ddtree_verify = self.gdn  # read by the hooks of patches 0005, 0008
         spec = vllm_config.speculative_config
         if spec.rejection_sample_method == "synthetic":  # benchmarking only
             self.synthetic = SyntheticAcceptance(

@@ -18,14 +18,9 @@ import pytest
 import torch
 import train_tiny_pair
 from safetensors.torch import load_file, save_file
+from serving import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""The series carried to vLLM 0.34.0 (patches/next): its shape, that this environment has it
-applied, and what its two hooks do (the documented top-level tree fields, patch 0001; the
+"""The patch series on vLLM 0.34.0: its shape, that this environment has it applied, and
+what its two config hooks do (the documented top-level tree fields, patch 0001; the
 whole-config checks and the decode CUDA graph request counts, patch 0002)."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from engine_runs import REPO
 
 from vllm_ddtree.patching import read_series
 
-NEXT = REPO / "patches" / "next"
+SERIES = REPO / "patches"
 PAIR = REPO / "models" / "tiny-pair"
 
 
 def test_the_series_is_small_and_says_why() -> None:
-    patches = read_series(NEXT)
-    assert (NEXT / "upstream-version").read_text().strip() == "0.34.0"
+    patches = read_series(SERIES)
+    assert (SERIES / "upstream-version").read_text().strip() == "0.34.0"
     assert len(patches) <= 12
     added = 0
     for patch in patches:
-        text = (NEXT / patch.name).read_text()
+        text = (SERIES / patch.name).read_text()
         header = text[:text.index("diff --git")]
         for field in ("Why:", "Upstream-Status:", "Drop-When:"):
             assert field in header, (patch.name, field)
@@ -35,7 +35,7 @@ def test_it_is_applied_here() -> None:
 
     from vllm_ddtree.patching.installer import APPLIED, series_status
 
-    status = series_status(Path(vllm.__file__).parent.parent, NEXT)
+    status = series_status(Path(vllm.__file__).parent.parent, SERIES)
     assert status.state == APPLIED, status
 
 
@@ -83,3 +83,34 @@ def test_verify_steps_have_decode_graphs_up_to_32_requests(budget: int) -> None:
     # The user's counts are kept.
     given = engine_config(spec, compilation_config={"max_decode_cudagraph_capture_requests": 8})
     assert max(decode_graph_requests(given)) == 8
+
+
+def test_the_target_attends_through_tree_attn_and_the_drafter_keeps_its_choice() -> None:
+    """What patch 0002's hook selects off the CPU (whose platform answers CPU_ATTN whatever
+    is selected): TREE_ATTN for the target; a non-causal DFlash drafter's copy of the config,
+    or one with the drafter's named backend, keeps its own; another backend for the target
+    is refused by name."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as Backend
+
+    import vllm_ddtree
+    from vllm_ddtree.spec_decode.config import select_tree_attention
+
+    vllm_ddtree.register()
+
+    def config(backend, non_causal=False, drafter=None):
+        return SimpleNamespace(
+            attention_config=SimpleNamespace(backend=backend, use_non_causal=non_causal),
+            speculative_config=SimpleNamespace(attention_backend=drafter))
+
+    target = config(None)
+    select_tree_attention(target)
+    assert target.attention_config.backend == Backend["TREE_ATTN"]
+    for kept in (config(None, non_causal=True),
+                 config(Backend.FLASH_ATTN, drafter=Backend.FLASH_ATTN)):
+        before = kept.attention_config.backend
+        select_tree_attention(kept)
+        assert kept.attention_config.backend == before
+    with pytest.raises(ValueError, match="attention_config.backend is FLASH_ATTN"):
+        select_tree_attention(config(Backend.FLASH_ATTN))

@@ -9,22 +9,15 @@ CPU GDN path runs in bf16 only; the tiny target's greedy margins are far above b
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import oracle_tree_logits
+from engine_helpers import language_model_only, oracle_tree_logits
 from engine_runs import tree_stats
 
 PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(8)]
 MAX_TOKENS = 20
-
-
-def language_model_only(pair: Path) -> dict:
-    """Engine settings for a tiny Qwen3.5, whose checkpoint holds no vision tower."""
-    config = json.loads((pair / "target/config.json").read_text())
-    return {"limit_mm_per_prompt": {"image": 0, "video": 0}} if "vision_config" in config else {}
 
 
 def tree_spec(pair: Path, budget: int, **options: object) -> dict:
@@ -243,3 +236,88 @@ def test_a_stash_that_does_not_fit_is_refused_at_startup(tiny_hybrid: Path,
                        r"VLLM_CPU_KVCACHE_SPACE \(1 GiB\); lower tree_budget, max_num_seqs"):
         config(256)
     assert config(8).speculative_config.num_speculative_tokens == 1024
+
+
+@pytest.mark.slow
+def test_preemption_under_a_small_kv_cache_and_cut_trees_stay_lossless(tiny_hybrid: Path,
+                                                                        monkeypatch) -> None:
+    """Three requests of about 600 prompt tokens, prefilled in chunks beside verify steps,
+    under a KV cache of 82 blocks: vLLM sizes a hybrid's attention blocks to the recurrent
+    state's page (640 tokens here), and a request holds 8 blocks (1 + tree_depth state
+    slots) in each of the 3 GDN layers' groups and one attention block per 640 tokens in
+    each of the 2 attention groups: the three fit until two pass 640 tokens, and one is then
+    preempted (its recurrent state recomputed from its tokens when it is resumed). The last
+    one runs into max_model_len (660), its last trees cut short. Output stays the target's
+    own, with trees accepted deep."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    lengths, max_tokens, max_len = (600, 610, 620), 50, 660
+    prompts = [[3 + (7 * i + j * j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
+    truth = {}
+    _, llm = generate(tiny_hybrid, None, prompts=PROMPTS[:1], max_tokens=1, max_model_len=1024)
+    for prompt, out in zip(prompts, llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens + 16, ignore_eos=True),
+            use_tqdm=False)):
+        truth[tuple(prompt)] = list(out.outputs[0].token_ids)
+    del llm
+    with_oracle(monkeypatch, truth, seed=3)
+    _, llm = generate(tiny_hybrid, tree_spec(tiny_hybrid, 12), prompts=PROMPTS[:1],
+                      max_tokens=1, max_num_seqs=3, max_model_len=max_len,
+                      max_num_batched_tokens=128, num_gpu_blocks_override=82)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                          ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        room = min(max_tokens, max_len - len(prompt))
+        assert list(out.outputs[0].token_ids) == truth[tuple(prompt)][:room]
+    assert len(outputs[-1].outputs[0].token_ids) == max_len - lengths[-1]  # at the limit
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
+    assert tree_stats(llm)["longest_accepted"] >= 3
+
+
+@pytest.mark.slow
+def test_sampling_matches_the_target_distribution(tiny_hybrid: Path, monkeypatch) -> None:
+    """Temperature 2 (the tiny target's margins make it nearly deterministic at 1), top-k
+    3: the 2nd and 3rd tokens, the first ones speculation produces, are distributed as
+    without speculation, with trees (budget 8) of the oracle drafter shown the greedy
+    continuation, so that sampled nodes are accepted too. Fails below a chi-square p-value
+    of 0.001 (fixed seeds: deterministic)."""
+    from engine_helpers import chi_square_p_value
+    from vllm import SamplingParams
+
+    n, prompt = 600, "def main():"
+
+    def sampled(llm) -> list[list[int]]:
+        params = [SamplingParams(temperature=2.0, top_k=3, max_tokens=3, seed=1000 + i)
+                  for i in range(n)]
+        return [list(o.outputs[0].token_ids)
+                for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+
+    greedy, llm = generate(tiny_hybrid, None, prompts=[prompt], max_tokens=19,
+                           max_num_seqs=64, max_model_len=128)
+    plain = sampled(llm)
+    del llm
+    with_oracle(monkeypatch, {tuple(tiny_tokenizer(tiny_hybrid).encode(prompt)):
+                              greedy[prompt]}, seed=8)
+    _, llm = generate(tiny_hybrid, tree_spec(tiny_hybrid, 8), prompts=[prompt], max_tokens=1,
+                      max_num_seqs=64, max_model_len=128)
+    speculated = sampled(llm)
+    # Three tokens: one verify step a request, a node accepted (off the spine too) and a
+    # bonus token.
+    stats = tree_stats(llm)
+    assert stats["longest_accepted"] == 1 and stats["paths_off_the_index_line"] > 0, stats
+    assert all(len(t) == 3 for t in speculated)
+    for position in (1, 2):
+        assert len({t[position] for t in plain}) >= 3  # a real distribution, not one token
+        p = chi_square_p_value([t[position] for t in plain],
+                               [t[position] for t in speculated])
+        assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"
+
+
+def tiny_tokenizer(pair: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(pair / "target"))

@@ -46,6 +46,10 @@ class TreeStep:
 
 
 class TreeVerifier:
+    # Read by V2's start-up warm-up as of any rejection sampler; trees are sized by
+    # tree_budget, never adaptively (refused at start-up).
+    enable_adaptive_verification = False
+
     def __init__(self, trees: Any, budget: int, depth: int) -> None:
         self.trees, self.budget, self.max_depth = trees, budget, min(depth, budget)
         self.sampler: Any = None

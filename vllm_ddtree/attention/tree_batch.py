@@ -46,8 +46,8 @@ class TreeBatch:
         self.tree_index[n:].fill_(-1)
 
     def sees(self, layer_names: Collection[str]) -> bool:
-        """Whether a metadata builder of these layers builds tree metadata (vLLM 0.32's
-        builders do not name their layers: they all do)."""
+        """Whether a metadata builder of these layers builds tree metadata (a builder that
+        names no layers does)."""
         return not layer_names or not set(layer_names) <= self.excluded_layers
 
     def clear(self) -> None:

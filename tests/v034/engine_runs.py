@@ -50,6 +50,25 @@ def generate(model: str, spec: dict | None = None, dtype: str = "float32",
             "trees": tree_stats(llm), **launches}
 
 
+def run_with_aborts(llm: object, prompts: list, params: object, aborted: list[str],
+                    at_step: int = 3) -> dict[str, tuple[str, list[int]]]:
+    """Adds ``prompts`` as requests r0, r1, ... of ``llm``'s engine, aborts ``aborted``
+    between steps ``at_step`` and ``at_step + 1``, and steps until all are done: the others'
+    prompts and tokens, by request id."""
+    engine, done = llm.llm_engine, {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    for step in range(10_000):  # far more than any of these runs takes
+        if not engine.has_unfinished_requests():
+            return done
+        if step == at_step:
+            engine.abort_request(aborted)
+        for out in engine.step():
+            if out.finished and out.request_id not in aborted:
+                done[out.request_id] = (out.prompt, list(out.outputs[0].token_ids))
+    raise AssertionError("requests still unfinished after 10,000 engine steps")
+
+
 def tree_stats(llm: object) -> dict[str, int] | None:
     """The tree verifier's counters (vllm_ddtree/spec_decode/verifier.py) of an engine run
     in this process, None without one."""

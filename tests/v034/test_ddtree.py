@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_runs import REPO, generate
+from engine_runs import REPO, generate, run_with_aborts
 
 PAIR = REPO / "models" / "tiny-pair"
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,",
@@ -363,19 +363,7 @@ def test_chunked_prefill_preemption_and_aborts_stay_lossless() -> None:
     llm = LLM(**settings, max_num_seqs=6, max_num_batched_tokens=64,
               num_gpu_blocks_override=10, disable_log_stats=False,
               speculative_config=tree_spec(tree_budget=12))
-    engine = llm.llm_engine
-    for i, prompt in enumerate(prompts[:10]):
-        engine.add_request(f"r{i}", prompt, params)
-    done, aborted = {}, ["r1", "r4", "r6"]
-    for step in range(2000):
-        if step == 3:
-            engine.abort_request(aborted)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = (out.prompt, list(out.outputs[0].token_ids))
-        if not engine.has_unfinished_requests():
-            break
-    kept = {rid: v for rid, v in done.items() if rid not in aborted}
+    kept = run_with_aborts(llm, prompts[:10], params, ["r1", "r4", "r6"])
     assert len(kept) == 7 and all(tokens == alone[p] for p, tokens in kept.values())
     outputs = llm.generate(prompts[10:], params, use_tqdm=False)
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {

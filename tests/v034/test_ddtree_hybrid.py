@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import language_model_only, oracle_tree_logits
-from engine_runs import tree_stats
+from engine_runs import run_with_aborts, tree_stats
 
 PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(8)]
 MAX_TOKENS = 20
@@ -158,20 +158,8 @@ def test_chunked_prefill_preemption_and_aborts_stay_lossless(hybrid_baselines, m
     with_oracle(monkeypatch, truth, seed=4)
     _, llm = generate(pair, tree_spec(pair, 12), prompts=PROMPTS[:1], max_tokens=1,
                       max_num_batched_tokens=40)
-    engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS[:6]):
-        engine.add_request(f"r{i}", prompt, params)
-    done = {}
-    for step in range(300):
-        if step == 3:
-            engine.abort_request(["r1", "r4"])
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = (out.prompt, list(out.outputs[0].token_ids))
-        if not engine.has_unfinished_requests():
-            break
-    kept = {rid: v for rid, v in done.items() if rid not in ("r1", "r4")}
+    kept = run_with_aborts(llm, PROMPTS[:6], params, ["r1", "r4"])
     assert len(kept) == 4
     assert all(tokens == baseline[prompt][:MAX_TOKENS] for prompt, tokens in kept.values())
     outputs = llm.generate(PROMPTS[6:], params, use_tqdm=False)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_runs import REPO, generate, tree_stats
+from engine_runs import REPO, generate, run_with_aborts, tree_stats
 
 PAIR = REPO / "models" / "tiny-pair"
 JETSPEC = PAIR / "jetspec-drafter"
@@ -194,19 +194,7 @@ def test_preemption_chunked_prefill_and_aborts_stay_lossless() -> None:
     assert (spec.custom_method, spec.speculator_options["tree_budget"]) == ("jetspec", 12)
     assert runner_of(llm).speculator.widths == (7,)
     causal = record_drafter_causality(llm)
-    engine = llm.llm_engine
-    for i, prompt in enumerate(prompts[:8]):
-        engine.add_request(f"r{i}", prompt, params)
-    done, aborted = {}, ["r1", "r4", "r6"]
-    for step in range(1000):
-        if step == 3:
-            engine.abort_request(aborted)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = (out.prompt, list(out.outputs[0].token_ids))
-        if not engine.has_unfinished_requests():
-            break
-    kept = {rid: v for rid, v in done.items() if rid not in aborted}
+    kept = run_with_aborts(llm, prompts[:8], params, ["r1", "r4", "r6"])
     assert len(kept) == 5 and all(tokens == alone[p] for p, tokens in kept.values())
     outputs = llm.generate(prompts[8:], params, use_tqdm=False)
     assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {

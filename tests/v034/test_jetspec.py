@@ -159,7 +159,7 @@ def test_method_jetspec_and_the_head_pick_the_build(spec: dict, build: str,
     ({}, {"speculator_options": {"tree_width": [1, 1, 1], "tree_budget": 8}},
      r"tree_budget is 8, but tree_width \[1, 1, 1\] over"),
     ({}, {"tree_build": "widest"},
-     r"speculator_options\.tree_build must be one of \('best_first', 'jetspec'\)"),
+     r"speculative_config\.tree_build must be one of \('best_first', 'jetspec'\)"),
     ({"causal_head": None}, {"tree_width": 3},
      "tree_width applies to tree_build 'jetspec', not 'best_first'"),
 ])

@@ -179,13 +179,13 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                              f"{', '.join(TREE_FIELDS)})")
         if cls.implied_build is not None:
             if given.get("tree_build", cls.implied_build) != cls.implied_build:
-                raise ValueError(f"speculative_config.speculator_options.tree_build is "
+                raise ValueError(f"speculative_config.tree_build is "
                                  f"{given['tree_build']!r}: method {cls.method_name!r} builds "
                                  f"{cls.implied_build!r} trees; use method 'ddtree' for "
                                  f"another build")
             given["tree_build"] = cls.implied_build
         options = TreeOptions(spec.model, **given)
-        check_tree_fields(options, "speculative_config.speculator_options")
+        check_tree_fields(options, "speculative_config")  # either form: the same fields
         return options
 
     @property

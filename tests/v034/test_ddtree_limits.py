@@ -197,18 +197,38 @@ def test_compiled_target_is_lossless(alone: dict) -> None:
 
 
 @pytest.mark.slow
-def test_the_start_up_warm_up_runs_with_trees(alone: dict) -> None:
+def test_the_start_up_warm_up_runs_with_trees(alone: dict,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Without enforce_eager (here without compiling, to keep it short) V2 warms the step's
     kernels up at start-up (kernel_config.enable_jit_warmup, on by default, on a GPU too),
     driving dummy verify steps through the runner's rejection sampler, here the tree
-    verifier: the engine starts and its output is the target's."""
-    from vllm import SamplingParams
+    verifier: the engine starts and its output is the target's. On CUDA the verifier sets
+    tree attention's warm-up bounds for that first tree step's forward (every Triton split
+    variant compiles then, none while serving); forced here as on CUDA, they are set once,
+    during start-up, and cleared after that step."""
+    from vllm import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    got, llm = run(spec(16), PROMPTS, [params] * len(PROMPTS), enforce_eager=False,
-                   compilation_config={"mode": 0, "cudagraph_mode": "NONE"})
+    from vllm_ddtree.attention import backend
+    from vllm_ddtree.spec_decode.verifier import TreeVerifier
+
+    calls: list = []
+    monkeypatch.setattr(backend, "set_warm_up", calls.append)
+    bind = TreeVerifier.bind
+
+    def bind_as_on_cuda(self, *args) -> None:
+        bind(self, *args)
+        self._warm_up = (4128, 8)
+
+    monkeypatch.setattr(TreeVerifier, "bind", bind_as_on_cuda)
+    llm = LLM(model=str(PAIR / "target"), max_model_len=512, seed=0, dtype="float32",
+              max_num_seqs=8, speculative_config=spec(16),
+              compilation_config={"mode": 0, "cudagraph_mode": "NONE"})
     assert llm.llm_engine.vllm_config.kernel_config.enable_jit_warmup
-    assert [o[0] for o in got] == alone["greedy"]
+    assert calls == [(4128, 8), None]  # the start-up warm-up's tree step
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == alone["greedy"]
+    assert calls == [(4128, 8), None]  # none while serving
 
 
 TP_SCRIPT = """

@@ -9,9 +9,8 @@ and ``tree_batch``), so a uniform verify batch can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,22 +28,18 @@ from vllm_ddtree.attention.triton_tree_attention import split_choices, tree_atte
 from vllm_ddtree.ops import compact_tree
 from vllm_ddtree.tree import Verdict
 
-# While warming_up is on: the engine's most tokens and requests per step.
+# Set for a warm-up forward (set_warm_up): the engine's most tokens and requests per step.
 _warm_up_bounds: tuple[int, int] | None = None
 
 
-@contextlib.contextmanager
-def warming_up(max_num_tokens: int, max_num_reqs: int) -> Iterator[None]:
-    """Within it, each forward first launches the kernel at every split count its layer
-    can pick for steps of up to these sizes (each a variant Triton compiles on its own),
-    with the forward's own arguments: one forward so compiles them all. (V1's start-up ran
-    one under it; V2's warm-up step does not enter it yet: docs/v2-port.md.)"""
+def set_warm_up(bounds: tuple[int, int] | None) -> None:
+    """While set to (max tokens, max requests) per step, each forward first launches the
+    kernel at every split count its layer can pick for steps of up to these sizes (each a
+    variant Triton compiles on its own), with the forward's own arguments: one forward so
+    compiles them all. None ends it. The tree verifier sets it for the first tree step's
+    forward (V2's start-up warm-up step)."""
     global _warm_up_bounds
-    _warm_up_bounds = (max_num_tokens, max_num_reqs)
-    try:
-        yield
-    finally:
-        _warm_up_bounds = None
+    _warm_up_bounds = bounds
 
 
 class TreeAttentionBackend(TreeAttentionFeatures, TritonAttentionBackend):

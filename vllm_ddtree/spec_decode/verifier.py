@@ -57,6 +57,10 @@ class TreeVerifier:
         self.step: TreeStep | None = None
         self._compactions: list | None = None
         self.gdn: GDNTreeVerify | None = None
+        # Set for the forward of the first step with trees (V2's start-up warm-up step,
+        # when it runs): tree attention then compiles every split variant a later step
+        # may pick, so that none compiles while serving (attention/backend.py).
+        self._warm_up: tuple[int, int] | None = None
         dev = trees.first_child.device
         self._node = torch.arange(budget + 1, device=dev)
         # Counters (stats() reads them): verify steps of requests, the longest accepted
@@ -79,6 +83,9 @@ class TreeVerifier:
             self.gdn = GDNTreeVerify(self.max_depth)
             for layer in layers:
                 layer.ddtree_verify = self.gdn  # read by the hooks of patches 0005, 0008
+        if self._node.device.type == "cuda":  # the CUDA backend's Triton split variants
+            sched = vllm_config.scheduler_config
+            self._warm_up = (sched.max_num_batched_tokens, sched.max_num_seqs)
         spec = vllm_config.speculative_config
         if spec.rejection_sample_method == "synthetic":  # benchmarking only
             self.synthetic = SyntheticAcceptance(
@@ -118,6 +125,10 @@ class TreeVerifier:
         is_tree = (cu[1:] - cu[:-1] > 1) & ~self.trees.chain[input_batch.idx_mapping]
         self.trees.attention.point(torch.where(is_tree, input_batch.idx_mapping, -1))
         self.step = TreeStep(rows, delta, chain_rows=self.trees.chain[slots])
+        if self._warm_up is not None:
+            from vllm_ddtree.attention.backend import set_warm_up
+
+            set_warm_up(self._warm_up)
         if self.gdn is not None:  # chains' parents are chains (TreeStore.write)
             self.gdn.begin_step(self.trees.parents[input_batch.idx_mapping])
 
@@ -178,6 +189,11 @@ class TreeVerifier:
             self.gdn.commit(verdict)  # the accepted path's recurrent state
         input_batch.positions[step.rows] -= step.delta  # chain positions, for the drafter
         self._count(verdict)
+        if self._warm_up is not None:  # after the first tree step's forward: done
+            from vllm_ddtree.attention.backend import set_warm_up
+
+            set_warm_up(None)
+            self._warm_up = None
         return SamplerOutput(sampled_token_ids=verdict.output_tokens, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled,
                              num_rejected=num_rejected)

@@ -50,6 +50,28 @@ def generate(model: str, spec: dict | None = None, dtype: str = "float32",
             "trees": tree_stats(llm), **launches}
 
 
+def preemption_prompts(count: int) -> list[str]:
+    """Prompts of 5 to 50 words: some prefilled in chunks next to verify steps."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    return [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
+            for i in range(count)]
+
+
+def alone_and_under_pressure(model: str, spec: dict, prompts: list, params: object
+                             ) -> tuple[dict[str, list[int]], object]:
+    """The target alone's outputs by prompt, and an engine of ``spec`` whose tiny KV cache
+    (10 blocks of 32) and step (64 tokens) preempt requests and chunk prefills."""
+    from vllm import LLM
+
+    settings = dict(model=model, enforce_eager=True, max_model_len=256, seed=0,
+                    dtype="float32", block_size=32)
+    alone = {o.prompt: list(o.outputs[0].token_ids)
+             for o in LLM(**settings).generate(prompts, params, use_tqdm=False)}
+    return alone, LLM(**settings, max_num_seqs=6, max_num_batched_tokens=64,
+                      num_gpu_blocks_override=10, disable_log_stats=False,
+                      speculative_config=spec)
+
+
 def run_with_aborts(llm: object, prompts: list, params: object, aborted: list[str],
                     at_step: int = 3) -> dict[str, tuple[str, list[int]]]:
     """Adds ``prompts`` as requests r0, r1, ... of ``llm``'s engine, aborts ``aborted``

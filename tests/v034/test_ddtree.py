@@ -10,7 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_runs import REPO, generate, run_with_aborts
+from engine_runs import (
+    REPO,
+    alone_and_under_pressure,
+    generate,
+    preemption_prompts,
+    run_with_aborts,
+)
 
 PAIR = REPO / "models" / "tiny-pair"
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,",
@@ -349,20 +355,13 @@ def test_chunked_prefill_preemption_and_aborts_stay_lossless() -> None:
     chunks next to verify steps, prefix caching on, preemption under a tiny KV cache (a
     preempted request is re-added and prefilled again, then drafts anew), and requests
     aborted mid-stream; then a batch in the freed request slots."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    prompts = [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
-               for i in range(12)]
+    prompts = preemption_prompts(12)
     prompts += [prompts[0] + " and more", prompts[1] + " again"]  # shared prefixes
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    settings = dict(model=str(PAIR / "target"), enforce_eager=True, max_model_len=256,
-                    seed=0, dtype="float32", block_size=32)
-    alone = {o.prompt: list(o.outputs[0].token_ids)
-             for o in LLM(**settings).generate(prompts, params, use_tqdm=False)}
-    llm = LLM(**settings, max_num_seqs=6, max_num_batched_tokens=64,
-              num_gpu_blocks_override=10, disable_log_stats=False,
-              speculative_config=tree_spec(tree_budget=12))
+    alone, llm = alone_and_under_pressure(str(PAIR / "target"), tree_spec(tree_budget=12),
+                                          prompts, params)
     kept = run_with_aborts(llm, prompts[:10], params, ["r1", "r4", "r6"])
     assert len(kept) == 7 and all(tokens == alone[p] for p, tokens in kept.values())
     outputs = llm.generate(prompts[10:], params, use_tqdm=False)

@@ -14,7 +14,14 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_runs import REPO, generate, run_with_aborts, tree_stats
+from engine_runs import (
+    REPO,
+    alone_and_under_pressure,
+    generate,
+    preemption_prompts,
+    run_with_aborts,
+    tree_stats,
+)
 
 PAIR = REPO / "models" / "tiny-pair"
 JETSPEC = PAIR / "jetspec-drafter"
@@ -176,20 +183,13 @@ def test_preemption_chunked_prefill_and_aborts_stay_lossless() -> None:
     cache (preemption), long prompts prefilled in chunks next to verify steps, requests
     aborted mid-stream; then a batch in the freed request slots. Output is the target
     alone's, the trees accept 3+ deep, and the head drafts causally throughout."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    prompts = [" ".join(words[(i + j) % 10] for j in range(5 + 15 * (i % 4))) + f" #{i}"
-               for i in range(10)]
+    prompts = preemption_prompts(10)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    settings = dict(model=str(PAIR / "target"), enforce_eager=True, max_model_len=256,
-                    seed=0, dtype="float32", block_size=32)
-    alone = {o.prompt: list(o.outputs[0].token_ids)
-             for o in LLM(**settings).generate(prompts, params, use_tqdm=False)}
-    llm = LLM(**settings, max_num_seqs=6, max_num_batched_tokens=64,
-              num_gpu_blocks_override=10, disable_log_stats=False,
-              speculative_config={"method": "jetspec", "model": str(JETSPEC),
-                                  "tree_budget": 12})
+    alone, llm = alone_and_under_pressure(
+        str(PAIR / "target"), {"method": "jetspec", "model": str(JETSPEC), "tree_budget": 12},
+        prompts, params)
     spec = llm.llm_engine.vllm_config.speculative_config
     assert (spec.custom_method, spec.speculator_options["tree_budget"]) == ("jetspec", 12)
     assert runner_of(llm).speculator.widths == (7,)

@@ -204,11 +204,13 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
 
 
 def verify_vllm_config(vllm_config: Any) -> None:
-    """In VllmConfig.__post_init__ (patch 0002), before the CUDA graph sizes are resolved:
-    what needs more than the speculative config."""
+    """In VllmConfig.__post_init__ (patch 0002, for any speculative config), before the CUDA
+    graph sizes are resolved: what the tree methods need beyond the speculative config."""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
+    if not is_tree_method(vllm_config.speculative_config):
+        return
     model, cc = vllm_config.model_config, vllm_config.compilation_config
     budget = vllm_config.speculative_config.num_speculative_tokens
     tokens = vllm_config.scheduler_config.max_num_batched_tokens

@@ -104,10 +104,4 @@ def main(version: str) -> int:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if args[:1] == ["--check"]:  # before a venv is made for it
-        why = refusal(args[1])
-        if why is not None:
-            say(why)
-        sys.exit(2 if why else 0)
-    sys.exit(main(args[0] if args else VLLM_VERSION))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else VLLM_VERSION))

@@ -138,10 +138,10 @@ class Recorded:
 def check_verify_graphs(llm, mode: str, record: GraphRecord, budget: int,
                         concurrency: set[int]) -> None:
     """vLLM kept graphs on in ``mode``; with FULL decode graphs it captured one per request
-    count of the decode sizes at query length budget + 1 (patch 0002's widening included),
+    count up to 32 at query length budget + 1 (patch 0002's sizes),
     and every verify step dispatched to one and replayed it; in PIECEWISE, verify steps ran
     the token-keyed piecewise graphs. Verify steps of every count in ``concurrency`` ran."""
-    from vllm.config.compilation import CUDAGraphMode, decode_cudagraph_capture_grid
+    from vllm.config.compilation import CUDAGraphMode
 
     from vllm_ddtree.spec_decode.config import DECODE_GRAPH_REQUESTS
 
@@ -154,7 +154,7 @@ def check_verify_graphs(llm, mode: str, record: GraphRecord, budget: int,
     verify = record.uniform(step)
     assert concurrency <= {n for n, _ in verify}, record.dispatched
     if want == CUDAGraphMode.FULL_AND_PIECEWISE:
-        sizes = decode_cudagraph_capture_grid(min(DECODE_GRAPH_REQUESTS, MAX_NUM_SEQS))
+        sizes = list(range(1, min(DECODE_GRAPH_REQUESTS, MAX_NUM_SEQS) + 1))
         assert cc.decode_cudagraph_capture_request_sizes == sizes, \
             cc.decode_cudagraph_capture_request_sizes
         captured = {d.num_reqs for d in manager.graphs if d.uniform_token_count == step}

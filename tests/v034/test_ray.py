@@ -1,0 +1,215 @@
+"""Method ddtree under vLLM's Ray executor (`--distributed-executor-backend ray`, where
+multi-node deployments go), on this CPU: a local Ray cluster of two CPUs started by the
+test, one worker (a Ray actor) a rank, the target and drafter sharded over both (TP=2).
+Patch 0011 lets Ray place CPU workers, patch 0012 refuses a cluster too small at start-up.
+What a GPU cluster adds (several machines, NCCL, GPU placement) is not run here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from engine_runs import REPO
+from serving import free_port
+
+PAIR = REPO / "models" / "tiny-pair"
+PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,",
+           "for i in range(10):", "The capital of France is"]
+DDTREE = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": 16}
+# "local": a cluster of this process's own, never one another test started.
+RAY_INIT = "ray.init(address='local', num_cpus={cpus}, include_dashboard=False)"
+
+ENGINE_SCRIPT = """
+import json, sys
+import ray
+from vllm import LLM, SamplingParams
+
+spec, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+""" + RAY_INIT.format(cpus=2) + """
+llm = LLM(model=sys.argv[3], enforce_eager=True, max_model_len=256, seed=0, dtype="float32",
+          tensor_parallel_size=2, distributed_executor_backend="ray", speculative_config=spec)
+
+
+def actor(worker):
+    return ray.get_runtime_context().get_actor_name()
+
+
+def verifier(worker):
+    return getattr(worker, "worker", worker).model_runner.speculator.verifier
+
+
+def record_verdicts(worker):
+    # Each rank logs what its own verify steps decided (a test-only wrapper).
+    tree_verifier = verifier(worker)
+    tree_verifier.log, count = [], tree_verifier._count
+
+    def logged(verdict):
+        tree_verifier.log.append([verdict.accepted.tolist(), verdict.num_accepted.tolist(),
+                                  verdict.output_tokens.tolist()])
+        count(verdict)
+
+    tree_verifier._count = logged
+
+
+greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                      use_tqdm=False)
+result = {"actors": llm.collective_rpc(actor),
+          "greedy": [list(o.outputs[0].token_ids) for o in greedy]}
+if spec is not None:
+    result["stats"] = llm.collective_rpc(lambda worker: verifier(worker).stats())
+    llm.collective_rpc(record_verdicts)
+    params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    llm.generate(prompts, params, use_tqdm=False)
+    result["verdicts"] = llm.collective_rpc(lambda worker: verifier(worker).log)
+print("RESULT " + json.dumps(result))
+"""
+
+
+def run_over_ray(spec: dict | None, prompts: list[str] = PROMPTS) -> dict:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc sends functions
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_SCRIPT, json.dumps(spec), json.dumps(prompts),
+         str(PAIR / "target")], env=env, text=True, capture_output=True, timeout=600)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_over_ray_is_lossless_and_the_ranks_agree() -> None:
+    """Greedy output is the target's own (the target alone over the same executor), with
+    paths accepted 3+ nodes deep and off the spine on both ranks; at temperature 1 both
+    ranks take the same verdict at every verify step, some of it accepted. Each rank ran in
+    a Ray actor of its own."""
+    alone, trees = run_over_ray(None), run_over_ray(DDTREE)
+    for run in (alone, trees):
+        assert [re.sub(r"^vllm_Worker_.*_TP", "TP", name) for name in run["actors"]] == \
+            ["TP0", "TP1"], run["actors"]
+    assert trees["greedy"] == alone["greedy"]
+    rank0, rank1 = trees["stats"]
+    assert rank0 == rank1 and rank0["longest_accepted"] >= 3, trees["stats"]
+    assert rank0["paths_off_the_index_line"] > 0, trees["stats"]
+    verdicts0, verdicts1 = trees["verdicts"]
+    assert len(verdicts0) > 3 and verdicts0 == verdicts1
+    assert any(n > 0 for _, accepted, _ in verdicts0 for n in accepted)
+
+
+TOO_SMALL_SCRIPT = """
+import sys, time
+import ray
+from vllm import LLM
+
+""" + RAY_INIT.format(cpus=1) + """
+start = time.monotonic()
+try:
+    LLM(model=sys.argv[1] + "/target", enforce_eager=True, max_model_len=256,
+        tensor_parallel_size=2, distributed_executor_backend="ray",
+        speculative_config={"method": "ddtree", "model": sys.argv[1] + "/drafter"})
+except Exception as e:
+    print(f"REFUSED after {time.monotonic() - start:.0f} s: {e}")
+"""
+
+
+@pytest.mark.slow
+def test_a_ray_cluster_too_small_is_refused_at_start_up() -> None:
+    """One CPU in the cluster, two workers asked: refused with the numbers at once (vLLM
+    waited 30 minutes for the placement group)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run([sys.executable, "-c", TOO_SMALL_SCRIPT, str(PAIR)], env=env,
+                          text=True, capture_output=True, timeout=300)
+    refused = [x for x in done.stdout.splitlines() if x.startswith("REFUSED")]
+    assert refused, done.stderr[-4000:]
+    assert re.search(r"after \d s: The Ray cluster has 1 CPU; 2 workers "
+                     r"\(tensor_parallel_size 2\) need one CPU each", refused[0]), refused
+
+
+def test_pipeline_parallelism_under_ray_is_refused_by_name() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(PAIR / "target"), max_model_len=512, pipeline_parallel_size=2,
+                      distributed_executor_backend="ray",
+                      speculative_config=DDTREE)
+    with pytest.raises(Exception, match="pipeline_parallel_size"):
+        args.create_engine_config()
+
+
+SERVE_SCRIPT = """
+import os, subprocess, sys
+import ray
+
+""" + RAY_INIT.format(cpus=2) + """
+# vllm serve's engine process joins this cluster (as on a cluster made by `ray start`).
+env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+sys.exit(subprocess.run(sys.argv[1:], env=env).returncode)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_worker_ends_the_stream_with_an_error_and_the_server_names_it(
+        tmp_path: Path) -> None:
+    """`vllm serve` over Ray at TP=2; rank 1's process is killed (SIGKILL) while a reply
+    streams: the stream ends with an error event, and the server exits by itself, its log
+    naming the lost rank, within a minute (no hang)."""
+    port, log = free_port(), (tmp_path / "serve.log").open("w+")
+    serve = [str(Path(sys.executable).parent / "vllm"), "serve", str(PAIR / "target"),
+             "--port", str(port), "--tensor-parallel-size", "2",
+             "--distributed-executor-backend", "ray", "--max-model-len", "256",
+             "--enforce-eager", "--dtype", "float32", "--speculative-config",
+             json.dumps(DDTREE)]
+    # Every worker's log lines reach the server's log (Ray folds repeated ones by default).
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_DEDUP_LOGS": "0"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    server = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, *serve], env=env,
+                              stdout=log, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, log_text(log)
+            assert time.monotonic() < deadline, log_text(log)
+            try:
+                urllib.request.urlopen(base + "/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        while not (rank1 := re.findall(r"Worker_TP1 pid=(\d+)", log_text(log))):
+            assert time.monotonic() < deadline, log_text(log)  # Ray relays worker logs
+            time.sleep(1)
+        body = {"model": str(PAIR / "target"), "prompt": "def fibonacci(n):",
+                "max_tokens": 240, "ignore_eos": True, "stream": True}
+        request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        events = []
+        with urllib.request.urlopen(request, timeout=120) as stream:
+            for raw in stream:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 4:  # mid-stream: tokens came, most have not
+                    os.kill(int(rank1[0]), 9)
+        text = [json.loads(e)["choices"][0]["text"] for e in events[:4]]
+        assert all(text), events[:4]
+        assert any('"error"' in e for e in events[4:]), events[-3:]
+        assert len(events) < 120, "the reply ran to its end"
+        server.wait(timeout=60)
+        assert "RayWorkerProc rank=[1] died unexpectedly" in log_text(log), log_text(log)
+    finally:
+        if server.poll() is None:  # the test failed: the server, its engine, Ray's cluster
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def log_text(log) -> str:  # noqa: ANN001
+    log.flush()
+    log.seek(0)
+    return log.read()

@@ -278,6 +278,26 @@ def attention_weights(p: str, lay: dict) -> dict[str, torch.Tensor]:
             f"{p}.k_norm.weight": torch.full((d,), 3.0)}
 
 
+def with_two_key_heads(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same model with a second GDN key head that reads and writes nothing (zero), so
+    tensor parallelism at 2 gives each rank one key head and one value head. Qwen3-Next
+    groups in_proj_qkvz as [q | k | v | z] and in_proj_ba as [b | a] per key head, and
+    conv1d as [q heads | k heads | v heads]; value head 1 is zero already."""
+    kd, vd = HYBRID["linear_key_head_dim"], HYBRID["linear_value_head_dim"]
+    out = dict(w)
+    for name, t in w.items():
+        if name.endswith("in_proj_qkvz.weight"):
+            q, k, v, z = t.split([kd, kd, 2 * vd, 2 * vd])
+            assert not v[vd:].any() and not z[vd:].any()
+            out[name] = torch.cat([q, k, v[:vd], z[:vd], torch.zeros_like(t[:2 * kd + 2 * vd])])
+        elif name.endswith("in_proj_ba.weight"):
+            out[name] = t[[0, 2, 1, 3]]  # [b0, b1, a0, a1] -> [b0, a0 | b1, a1]
+        elif name.endswith("conv1d.weight"):
+            q, k, v = t.split([kd, kd, 2 * vd])
+            out[name] = torch.cat([q, torch.zeros_like(q), k, torch.zeros_like(k), v])
+    return out
+
+
 def as_qwen3_5(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The same model in Qwen3.5's text layout (Qwen3_5ForCausalLM): a dense MLP (zero, as
     the MoE was) and the GDN input projections split. With one key head Qwen3-Next's
@@ -335,12 +355,14 @@ MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
             "norm_topk_prob")
 
 
-def make_hybrid(out: Path, seed: int = 0, arch: str = "qwen3_next") -> None:
+def make_hybrid(out: Path, seed: int = 0, arch: str = "qwen3_next", key_heads: int = 1
+                ) -> None:
     """DIR/target: a tiny Qwen3-Next (3 GDN layers, 1 full attention, MLPs zero) built by
     hand, not drawn, so greedy choices have margins far above bf16 noise; DIR/drafter: DFlash.
     ``arch`` "qwen3_5": the same model as Qwen3.5 ships (Qwen3_5ForConditionalGeneration:
     split GDN projections, a dense MLP, M-RoPE), which computes the same function;
-    "qwen3_5_text": as a text-only Qwen3.5 checkpoint (Qwen3_5ForCausalLM).
+    "qwen3_5_text": as a text-only Qwen3.5 checkpoint (Qwen3_5ForCausalLM). ``key_heads`` 2
+    (Qwen3-Next only): a second, silent GDN key head, so the target shards over two ranks.
 
     Tokens carry random exact +-1 bits and classes. GDN layer n is an exact key-value store
     (beta 1, no decay, one-hot keys): it files token t's bits under the class of token
@@ -363,6 +385,9 @@ def make_hybrid(out: Path, seed: int = 0, arch: str = "qwen3_next") -> None:
     outputs = plain[torch.randperm(len(plain), generator=gen)[: 2**n_bits]].tolist()
 
     weights = hybrid_weights(vocab, outputs, gen)
+    assert key_heads in (1, 2) and (key_heads == 1 or arch == "qwen3_next")
+    if key_heads == 2:
+        weights = with_two_key_heads(weights)
     if arch == "qwen3_5":  # the language model's weights, as Qwen3.5's checkpoints name them
         weights = {k.replace("model.", "model.language_model.", 1): v
                    for k, v in as_qwen3_5(weights).items()}
@@ -372,7 +397,8 @@ def make_hybrid(out: Path, seed: int = 0, arch: str = "qwen3_next") -> None:
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     config = {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-        "vocab_size": vocab, **HYBRID, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "vocab_size": vocab, **HYBRID, "linear_num_key_heads": key_heads,
+        "hidden_act": "silu", "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default",
                                                   "rope_theta": ROPE_THETA,
                                                   "partial_rotary_factor": 0.25},
@@ -398,9 +424,11 @@ def main() -> None:
     parser.add_argument("--hybrid", nargs="?", const="qwen3_next", choices=HYBRID_ARCHS,
                         help="a hand-built hybrid target (GDN + attention) instead: "
                         "Qwen3-Next (the default) or the same model as a Qwen3.5 text model")
+    parser.add_argument("--key-heads", type=int, default=1, choices=(1, 2),
+                        help="GDN key heads of the hybrid (2: it shards over two ranks)")
     args = parser.parse_args()
     if args.hybrid:
-        make_hybrid(args.out, args.seed, args.hybrid)
+        make_hybrid(args.out, args.seed, args.hybrid, args.key_heads)
     else:
         make(args.out, args.seed)
     print(f"wrote {args.out / 'target'} and {args.out / 'drafter'}")

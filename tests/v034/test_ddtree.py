@@ -298,13 +298,17 @@ STEP_FILES = ("spec_decode/speculator.py", "spec_decode/verifier.py",
 
 
 @pytest.mark.slow
-def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backend", ["cpu", "cuda-on-interpreter"])
+def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
+                                             request: pytest.FixtureRequest,
+                                             backend: str) -> None:
     """A host sync (.item(), .tolist(), .cpu(), a tensor's truth value, a boolean-mask
     index: a data-dependent shape) inside the step stalls the GPU and breaks CUDA-graph
     capture. Every such call made from the port's step files, with greedy and sampled
     requests, logprobs, chains for penalties and bad words, min_tokens and
     allowed_token_ids, is recorded: there must be none (the CPU attention backend's own
-    planning is host work by design, and not among them)."""
+    planning is host work by design, and not among them). With TREE_ATTN's CUDA backend
+    (its kernel on the interpreter) the backend's build, forward and KV compaction too."""
     import sys
 
     import torch
@@ -313,12 +317,16 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) ->
 
     pkg = str(REPO / "vllm_ddtree") + "/"
     calls: list[str] = []
+    step_files = STEP_FILES
+    if backend == "cuda-on-interpreter":
+        request.getfixturevalue("cuda_tree_attn_on_cpu")
+        step_files += ("attention/backend.py", "attention/triton_tree_attention.py")
 
     def record(name: str, original, check=None):  # noqa: ANN001, ANN202
         def wrapper(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             caller = sys._getframe(1).f_code
             where = caller.co_filename.removeprefix(pkg)
-            if where in STEP_FILES and (check is None or check(*args)) and (
+            if where in step_files and (check is None or check(*args)) and (
                     caller.co_name != "_host_seq_lens"):  # a host tensor by contract
                 calls.append(f"{name} in {where}:{caller.co_name}")
             return original(self, *args, **kwargs)
@@ -343,8 +351,14 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) ->
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) >= 6 for o in outputs)
     assert calls == [], sorted(set(calls))
-    verifier = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
-        .model_runner.speculator.verifier
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    if backend == "cuda-on-interpreter":
+        from vllm_ddtree.attention.backend import TreeAttentionImpl
+
+        assert any(isinstance(getattr(m, "impl", None), TreeAttentionImpl)
+                   for m in runner.model.modules())
+    verifier = runner.speculator.verifier
     assert verifier.stats()["verified_rows"] > 0  # the read-out syncs, outside the step
     assert calls == ["__int__ in spec_decode/verifier.py:stats"] * 2, calls
 

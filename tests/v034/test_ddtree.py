@@ -80,7 +80,11 @@ def test_logprobs_are_the_targets_own() -> None:
     def run(spec: dict | None) -> list:
         llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
                   dtype="float32", max_num_seqs=8, speculative_config=spec)
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+        # Top 3 for some requests, chosen token ids for the others.
+        params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                 **(dict(logprobs=3) if i % 2 else
+                                    dict(logprob_token_ids=[5, 17, 202])))
+                  for i in range(len(PROMPTS))]
         return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
     plain, trees = run(None), run(tree_spec(tree_budget=16))
@@ -91,6 +95,39 @@ def test_logprobs_are_the_targets_own() -> None:
             for token, lp in step_a.items():
                 assert step_b[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
                 assert step_b[token].rank == lp.rank
+
+
+@pytest.mark.slow
+def test_trace_replay_emits_the_trace_with_the_targets_logprobs(target_alone: dict) -> None:
+    """--enable-trace-replay: a request's trace_decode_token_ids are emitted in place of the
+    target's choices, each with the target's logprob, then the target's own tokens, as
+    without speculation. The traces are the target's greedy continuations with two tokens
+    changed: trees are accepted deep along them, and cut where they turn."""
+    from engine_runs import tree_stats
+    from vllm import LLM, SamplingParams
+
+    traces = []
+    for tokens in target_alone["tokens"]:
+        trace = list(tokens[:30])
+        for at in (9, 20):
+            trace[at] = 5 if trace[at] != 5 else 6
+        traces.append(trace)
+
+    def run(spec: dict | None) -> tuple[list, object]:
+        llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
+                  dtype="float32", max_num_seqs=8, speculative_config=spec,
+                  enable_trace_replay=True)
+        params = [SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True, logprobs=0,
+                                 trace_decode_token_ids=trace) for trace in traces]
+        return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)], llm
+
+    (plain, _), (trees, llm) = run(None), run(tree_spec(tree_budget=16))
+    for a, b, trace in zip(plain, trees, traces):
+        assert list(b.token_ids[:30]) == trace
+        assert list(a.token_ids) == list(b.token_ids)
+        for token, step_a, step_b in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert step_b[token].logprob == pytest.approx(step_a[token].logprob, abs=1e-4)
+    assert tree_stats(llm)["longest_accepted"] >= 3
 
 
 @pytest.mark.parametrize(("spec", "named"), [

@@ -13,9 +13,10 @@
    states moved likewise, so DFlash's context rows are the accepted path.
 
 Requests whose processing reads the drafts before a row as its history draft chains and
-are verified as chains (TreeStore). Synthetic acceptance (benchmarking only) overrides the
-target's choices along a drawn path (vllm_ddtree/synthetic.py). Recurrent (Gated DeltaNet)
-layers verify the step's trees through the hooks of patches 0005 / 0008
+are verified as chains (TreeStore). Trace replay (``--enable-trace-replay``) makes a node's
+choice the request's trace token for its depth. Synthetic acceptance (benchmarking only)
+overrides the target's choices along a drawn path (vllm_ddtree/synthetic.py). Recurrent
+(Gated DeltaNet) layers verify the step's trees through the hooks of patches 0005 / 0008
 (vllm_ddtree/recurrent/gdn_verify.py), told the trees in ``begin_step``; the accepted path's
 state is committed after the walk, with the KV compaction.
 """
@@ -169,6 +170,8 @@ class TreeVerifier:
         token_ids = torch.where(valid, ids[at].long(), -1)
         choices = torch.where(valid, choice[at].long(), -1)
         slots = input_batch.idx_mapping
+        if sampler.trace_replay_state is not None:
+            choices = self._replayed(choices, slots)
         first_child = self.trees.first_child[slots]
         if self.synthetic is not None:  # a drawn path is accepted, not the target's
             choices, first_child = self.synthetic.override(
@@ -197,6 +200,22 @@ class TreeVerifier:
         return SamplerOutput(sampled_token_ids=verdict.output_tokens, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled,
                              num_rejected=num_rejected)
+
+    def _replayed(self, choices: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Trace replay (--enable-trace-replay; a request's ``trace_decode_token_ids``):
+        a node at depth d chooses the trace's token for output position step + d, where
+        ``step`` tokens are committed so far, so the walk accepts the nodes that match the
+        trace and emits the trace; logprobs stay the target's own. Past the trace, the
+        target's choice."""
+        state = self.sampler.trace_replay_state
+        slots = slots.long()
+        req = state.req_states
+        step = (req.total_len.gpu[slots] - req.prompt_len.gpu[slots]).long()
+        out = step[:, None] + self.trees.depths[slots].long()  # [R, N] output positions
+        trace = state.trace_token_ids.gpu
+        replayed = (choices >= 0) & (out < state.trace_len.gpu[slots].long()[:, None])
+        forced = trace[slots[:, None], out.clamp(0, trace.shape[1] - 1)].long()
+        return torch.where(replayed, forced, choices)
 
     def _logprobs(self, logits: torch.Tensor, input_batch: Any, verdict: ops.Verdict,
                   cu: torch.Tensor) -> Any:

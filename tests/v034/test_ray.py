@@ -2,7 +2,8 @@
 multi-node deployments go), on this CPU: a local Ray cluster of two CPUs started by the
 test, one worker (a Ray actor) a rank, the target and drafter sharded over both (TP=2).
 Patch 0011 lets Ray place CPU workers, patch 0012 refuses a cluster too small at start-up.
-What a GPU cluster adds (several machines, NCCL, GPU placement) is not run here."""
+The tiny pair over Ray is in test_ddtree.py's tensor-parallel test (both executors). What
+a GPU cluster adds (several machines, NCCL, GPU placement) is not run here."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from engine_runs import REPO
 from serving import free_port
+from tensor_parallel import RAY_INIT, run_tp2
 from test_ddtree_hybrid import MAX_TOKENS
 from test_ddtree_hybrid import PROMPTS as HYBRID_PROMPTS
 
@@ -25,109 +27,6 @@ PAIR = REPO / "models" / "tiny-pair"
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,",
            "for i in range(10):", "The capital of France is"]
 DDTREE = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": 16}
-# "local": a cluster of this process's own, never one another test started.
-RAY_INIT = "ray.init(address='local', num_cpus={cpus}, include_dashboard=False)"
-
-ENGINE_SCRIPT = """
-import json, sys
-import ray
-from vllm import LLM, SamplingParams
-
-run = json.loads(sys.argv[1])
-""" + RAY_INIT.format(cpus=2) + """
-llm = LLM(model=run["model"], enforce_eager=True, max_model_len=256, seed=0,
-          tensor_parallel_size=2, distributed_executor_backend="ray",
-          speculative_config=run["spec"], **run["engine"])
-
-
-def actor(worker):
-    return ray.get_runtime_context().get_actor_name()
-
-
-def verifier(worker):
-    return getattr(worker, "worker", worker).model_runner.speculator.verifier
-
-
-def install_oracle(worker, continuations):
-    # The drafter of tests/engine_helpers.py that knows the target's continuations.
-    from engine_helpers import oracle_tree_logits
-    from vllm_ddtree.spec_decode.speculator import DDTreeSpeculator
-
-    truth = {tuple(prompt): tokens for prompt, tokens in continuations}
-    DDTreeSpeculator.draft_logits_at = oracle_tree_logits(truth, 16)
-
-
-def record_verdicts(worker):
-    # Each rank logs what its own verify steps decided (a test-only wrapper).
-    tree_verifier = verifier(worker)
-    tree_verifier.log, count = [], tree_verifier._count
-
-    def logged(verdict):
-        tree_verifier.log.append([verdict.accepted.tolist(), verdict.num_accepted.tolist(),
-                                  verdict.output_tokens.tolist()])
-        count(verdict)
-
-    tree_verifier._count = logged
-
-
-prompts = run["prompts"]
-if run.get("oracle"):
-    encode = llm.get_tokenizer().encode
-    llm.collective_rpc(install_oracle, args=(
-        [[encode(p), tokens] for p, tokens in zip(prompts, run["oracle"])],))
-greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=run["max_tokens"],
-                                              ignore_eos=True), use_tqdm=False)
-result = {"actors": llm.collective_rpc(actor),
-          "greedy": [list(o.outputs[0].token_ids) for o in greedy]}
-if run["spec"] is not None:
-    result["stats"] = llm.collective_rpc(lambda worker: verifier(worker).stats())
-    result["gdn_commits"] = llm.collective_rpc(
-        lambda worker: getattr(verifier(worker).gdn, "commits", 0))
-if run.get("sample"):
-    llm.collective_rpc(record_verdicts)
-    params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=i)
-              for i in range(len(prompts))]
-    llm.generate(prompts, params, use_tqdm=False)
-    result["verdicts"] = llm.collective_rpc(lambda worker: verifier(worker).log)
-print("RESULT " + json.dumps(result))
-"""
-
-
-def run_over_ray(model: Path, spec: dict | None, prompts: list[str], max_tokens: int,
-                 **run: object) -> dict:
-    """One engine at TP=2 over Ray: its greedy output, each rank's Ray actor and (with a
-    spec) each rank's tree counters; ``oracle``: the drafter knows each prompt's greedy
-    continuation (these token lists); ``sample``: each rank's verdicts at temperature 1."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc sends functions
-           "PYTHONPATH": str(REPO / "tests")}  # Ray's workers import engine_helpers
-    run = {"model": str(model / "target"), "spec": spec, "prompts": prompts,
-           "max_tokens": max_tokens, "engine": {"dtype": "float32"}} | run
-    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, json.dumps(run)], env=env,
-                          text=True, capture_output=True, timeout=600)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
-    assert [re.sub(r"^vllm_Worker_.*_TP", "TP", name) for name in result["actors"]] == \
-        ["TP0", "TP1"], result["actors"]  # each rank ran in a Ray actor of its own
-    return result
-
-
-@pytest.mark.slow
-def test_tensor_parallel_2_over_ray_is_lossless_and_the_ranks_agree() -> None:
-    """Greedy output is the target's own (the target alone over the same executor), with
-    paths accepted 3+ nodes deep and off the spine on both ranks; at temperature 1 both
-    ranks take the same verdict at every verify step, some of it accepted."""
-    alone = run_over_ray(PAIR, None, PROMPTS, 40)
-    trees = run_over_ray(PAIR, DDTREE, PROMPTS, 40, sample=True)
-    assert trees["greedy"] == alone["greedy"]
-    rank0, rank1 = trees["stats"]
-    assert rank0 == rank1 and rank0["longest_accepted"] >= 3, trees["stats"]
-    assert rank0["paths_off_the_index_line"] > 0, trees["stats"]
-    verdicts0, verdicts1 = trees["verdicts"]
-    assert len(verdicts0) > 3 and verdicts0 == verdicts1
-    assert any(n > 0 for _, accepted, _ in verdicts0 for n in accepted)
-
 
 @pytest.mark.slow
 def test_a_hybrid_target_over_ray_is_lossless(tmp_path: Path) -> None:
@@ -138,9 +37,9 @@ def test_a_hybrid_target_over_ray_is_lossless(tmp_path: Path) -> None:
 
     make_tiny_models.make_hybrid(tmp_path, seed=0, key_heads=2)
     engine = {"dtype": "bfloat16", "enable_prefix_caching": False}
-    alone = run_over_ray(tmp_path, None, HYBRID_PROMPTS, MAX_TOKENS + 16, engine=engine)
+    alone = run_tp2("ray", tmp_path, None, HYBRID_PROMPTS, MAX_TOKENS + 16, engine=engine)
     spec = {"method": "ddtree", "model": str(tmp_path / "drafter"), "tree_budget": 16}
-    trees = run_over_ray(tmp_path, spec, HYBRID_PROMPTS, MAX_TOKENS, engine=engine,
+    trees = run_tp2("ray", tmp_path, spec, HYBRID_PROMPTS, MAX_TOKENS, engine=engine,
                          oracle=alone["greedy"])
     assert trees["greedy"] == [tokens[:MAX_TOKENS] for tokens in alone["greedy"]]
     rank0, rank1 = trees["stats"]

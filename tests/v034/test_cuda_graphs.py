@@ -77,12 +77,15 @@ def graph_manager(monkeypatch):
     return build
 
 
-@pytest.mark.parametrize("budget", [16, 64])
-def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, budget) -> None:
+@pytest.mark.parametrize(("budget", "most"), [(16, 32), (64, 32), (256, 31), (1024, 7)])
+def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, budget: int,
+                                                              most: int) -> None:
     """Every verify batch of 1..32 requests (each request's tree_budget + 1 tokens) is
     dispatched, as the runner dispatches it, to a FULL graph of exactly its requests, whose
-    replay runs what was captured for that shape; 33 requests and a batch with a prefill
-    chunk in it get no FULL graph (the first replays piecewise or runs eagerly)."""
+    replay runs what was captured for that shape, as far as vLLM's token cap for decode
+    graphs allows (``most`` requests: 31 at budget 256, 7 at 1024, within 8192 tokens); one
+    request more and a batch with a prefill chunk in it get no FULL graph (the first
+    replays piecewise or runs eagerly)."""
     from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 
@@ -105,7 +108,7 @@ def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, bud
     manager.capture(create_forward_fn)
     captured_full = {d.num_reqs for d in manager.graphs if d.cg_mode == CUDAGraphMode.FULL
                      and d.uniform_token_count == step}
-    assert captured_full == set(range(1, 33)), sorted(captured_full)
+    assert captured_full == set(range(1, most + 1)), sorted(captured_full)
 
     def dispatch(num_reqs: int, num_tokens: int, uniform: int | None):
         desc, _ = dispatch_cg_and_sync_dp(manager, num_reqs, num_tokens, uniform, 1, 0,
@@ -113,7 +116,7 @@ def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, bud
                                           uniform_decode=uniform == step)
         return desc
 
-    for n in range(1, 33):
+    for n in range(1, most + 1):
         desc = dispatch(n, n * step, step)
         assert (desc.cg_mode, desc.num_reqs, desc.num_tokens) == (
             CUDAGraphMode.FULL, n, n * step), (n, desc)
@@ -121,6 +124,6 @@ def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, bud
         manager.run_fullgraph(desc)
         assert ran == [(desc, "replay")]
 
-    assert dispatch(33, 33 * step, step).cg_mode != CUDAGraphMode.FULL
+    assert dispatch(most + 1, (most + 1) * step, step).cg_mode != CUDAGraphMode.FULL
     mixed = dispatch(3, 2 * step + 100, None)
     assert mixed.cg_mode != CUDAGraphMode.FULL and mixed.num_tokens >= 2 * step + 100

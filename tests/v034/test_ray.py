@@ -101,8 +101,13 @@ sys.exit(subprocess.run(sys.argv[1:], env=env).returncode)
 def test_a_killed_worker_ends_the_stream_with_an_error_and_the_server_names_it(
         tmp_path: Path) -> None:
     """`vllm serve` over Ray at TP=2; rank 1's process is killed (SIGKILL) while a reply
-    streams: the stream ends with an error event, and the server exits by itself, its log
+    streams and another, not streamed, is being generated: the stream ends with an error
+    event, the other request gets an error status, and the server exits by itself, its log
     naming the lost rank, within a minute (no hang)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving import post
+
     port, log = free_port(), (tmp_path / "serve.log").open("w+")
     serve = [str(Path(sys.executable).parent / "vllm"), "serve", str(PAIR / "target"),
              "--port", str(port), "--tensor-parallel-size", "2",
@@ -130,8 +135,11 @@ def test_a_killed_worker_ends_the_stream_with_an_error_and_the_server_names_it(
             assert time.monotonic() < deadline, log_text(log)  # Ray relays worker logs
             time.sleep(1)
         body = {"model": str(PAIR / "target"), "prompt": "def fibonacci(n):",
-                "max_tokens": 240, "ignore_eos": True, "stream": True}
-        request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                "max_tokens": 240, "ignore_eos": True}
+        pool = ThreadPoolExecutor(1)
+        other = pool.submit(post, base, "/v1/completions", body | {"prompt": "import os"})
+        request = urllib.request.Request(base + "/v1/completions",
+                                         json.dumps(body | {"stream": True}).encode(),
                                          {"Content-Type": "application/json"})
         events = []
         with urllib.request.urlopen(request, timeout=120) as stream:
@@ -145,6 +153,9 @@ def test_a_killed_worker_ends_the_stream_with_an_error_and_the_server_names_it(
         assert all(text), events[:4]
         assert any('"error"' in e for e in events[4:]), events[-3:]
         assert len(events) < 120, "the reply ran to its end"
+        status, reply = other.result(timeout=60)
+        assert status >= 500, (status, reply[:300])
+        pool.shutdown()
         # vLLM's server exits with status 0 once its engine is dead (the README says so).
         assert server.wait(timeout=60) == 0
         assert "RayWorkerProc rank=[1] died unexpectedly" in log_text(log), log_text(log)

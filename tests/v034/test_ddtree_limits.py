@@ -161,6 +161,52 @@ def test_drafting_goes_on_beside_a_request_near_max_model_len(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("budget", [4, 64])
+def test_every_draft_query_has_a_kv_slot(alone: dict, monkeypatch: pytest.MonkeyPatch,
+                                         budget: int) -> None:
+    """The KV reserved past a step's scheduled tokens (num_lookahead_tokens: tree_depth + 1,
+    not DFlash's tree_budget + 1): every query the drafter runs gets a slot in its request's
+    blocks, after a prefill and after a verify step whose path was accepted to full depth
+    (budget 4: the tree is no wider than deep). DFlash's input kernel gives a query beyond the
+    request's blocks no slot, silently (its KV is never written, the drafter attends without
+    it), so it is counted here: queries without a slot short of max_model_len."""
+    import inspect
+
+    from vllm import LLM, SamplingParams
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash
+
+    prepare, counts = dflash.prepare_dflash_inputs, {"queries": 0, "without_slot": 0}
+
+    def checked(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        prepare(*args, **kwargs)
+        bound = inspect.signature(prepare).bind(*args, **kwargs).arguments
+        rows = bound["input_batch"].num_reqs * bound["num_query_per_req"]
+        positions = bound["input_buffers"].positions[:rows]
+        short = positions < bound["max_model_len"] - 1  # the last position is clamped
+        counts["queries"] += int(short.sum())
+        counts["without_slot"] += int(((bound["query_slot_mapping"][:rows] == PAD_SLOT_ID)
+                                       & short).sum())
+
+    monkeypatch.setattr(dflash, "prepare_dflash_inputs", checked)
+    llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
+              dtype="float32", max_num_seqs=8, block_size=32, speculative_config=spec(budget))
+    depth = llm.llm_engine.vllm_config.speculative_config.speculator_options["tree_depth"]
+    assert llm.llm_engine.vllm_config.num_lookahead_tokens == depth + 1
+    params = SamplingParams(temperature=0.0, max_tokens=4 * MAX_TOKENS, ignore_eos=True)
+    # Prompts of 24 to 28 tokens too: a prefill ending depth + 1 short of a block's end, so
+    # the drafter's last query after it is the first of the next block.
+    words = llm.get_tokenizer().encode(" ".join(PROMPTS) * 4)
+    prompts = PROMPTS + [{"prompt_token_ids": words[:n]} for n in range(24, 29)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids[:MAX_TOKENS]) for o in outputs[:len(PROMPTS)]] == \
+        alone["greedy"]
+    if budget == 4:
+        assert tree_stats(llm)["longest_accepted"] == depth  # paths to full depth
+    assert counts["queries"] > 0 and counts["without_slot"] == 0, counts
+
+
+@pytest.mark.slow
 def test_several_samples_per_request_are_served(alone: dict) -> None:
     """n > 1 (vLLM fans a request out into n): at top-k 1 each of the n completions is the
     target's greedy output; seeded samples (n = 2 at temperature 0.8, n = 3 at 1) are the

@@ -191,9 +191,13 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
 
     @property
     def num_lookahead_tokens(self) -> int:
-        # A verify step writes tree_budget + 1 slots; the drafter's depth + 1 queries start
-        # past the accepted path, inside them.
-        return self.num_speculative_tokens + 1
+        # KV slots past the scheduled tokens: the drafter's depth + 1 queries (the bonus
+        # token, then the masks) start right after the accepted path, so they end at most
+        # depth + 1 past a prefill and within depth + 1 past a verify step's tree_budget + 1
+        # (the path is at most depth long, and depth <= tree_budget). DFlash's own value,
+        # num_speculative_tokens + 1, would reserve a whole tree more per request.
+        depth = (self.spec_config.speculator_options or {}).get("tree_depth")
+        return super().num_lookahead_tokens if depth is None else depth + 1
 
     def max_num_draft_seqs(self, max_num_batched_tokens: int) -> int:
         # A verify step takes tree_budget + 1 tokens a request; the drafter fewer.

@@ -108,6 +108,8 @@ def run_tp2(executor: str, model: Path, spec: dict | None, prompts: list[str],
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
+    if executor == "ray":  # Ray kills its workers, which then never unlinked (patch 0011)
+        assert not leftover_shared_memory(done.stderr + done.stdout)
     ranks = result["ranks"]
     if executor == "ray":  # each rank in a Ray actor of its own
         assert [re.sub(r"^vllm_Worker_.*_TP", "TP", name) for name in ranks] == \
@@ -115,3 +117,12 @@ def run_tp2(executor: str, model: Path, spec: dict | None, prompts: list[str],
     else:  # each rank in a worker process of its own
         assert len(set(ranks)) == 2 and result["driver"] not in ranks, result
     return result
+
+
+def leftover_shared_memory(log: str) -> list[str]:
+    """The CPU all-reduce's shared-memory segments still in /dev/shm for the engines whose
+    ranks logged their init ports in ``log`` (at least one must have)."""
+    ports = set(re.findall(r"distributed_init_method=tcp://[^ ]+:(\d+)", log))
+    assert ports, "no rank logged its distributed_init_method"
+    return [str(p) for port in ports for p in Path("/dev/shm").glob(f"{port}-*cpushm*")]
+

@@ -286,7 +286,8 @@ def test_synthetic_rates_are_per_depth_and_vllm_sees_them_padded() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("executor", ["mp", "ray"])
+@pytest.mark.parametrize("executor", [
+    "mp", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))])  # test_ray.py: why
 def test_tensor_parallel_2_is_lossless_and_the_ranks_agree(executor: str) -> None:
     """The target and the drafter sharded over two ranks (worker processes, which load the
     plugin by entry point; or Ray actors, tests/v034/test_ray.py): greedy output is the

@@ -19,10 +19,14 @@ from pathlib import Path
 import pytest
 from engine_runs import REPO
 from serving import free_port
-from tensor_parallel import RAY_INIT, run_tp2
+from tensor_parallel import RAY_INIT, leftover_shared_memory, run_tp2
 from test_ddtree_hybrid import MAX_TOKENS
 from test_ddtree_hybrid import PROMPTS as HYBRID_PROMPTS
 
+# One Ray cluster at a time on this machine: two local clusters started together can take
+# the same fixed ports (a raylet that loses its agent's port dies). --dist loadgroup runs
+# the group on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("ray")
 PAIR = REPO / "models" / "tiny-pair"
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,",
            "for i in range(10):", "The capital of France is"]
@@ -159,6 +163,7 @@ def test_a_killed_worker_ends_the_stream_with_an_error_and_the_server_names_it(
         # vLLM's server exits with status 0 once its engine is dead (the README says so).
         assert server.wait(timeout=60) == 0
         assert "RayWorkerProc rank=[1] died unexpectedly" in log_text(log), log_text(log)
+        assert not leftover_shared_memory(log_text(log))
     finally:
         if server.poll() is None:  # the test failed: the server, its engine, Ray's cluster
             os.killpg(server.pid, 9)

@@ -196,7 +196,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         # depth + 1 past a prefill and within depth + 1 past a verify step's tree_budget + 1
         # (the path is at most depth long, and depth <= tree_budget). DFlash's own value,
         # num_speculative_tokens + 1, would reserve a whole tree more per request.
-        depth = (self.spec_config.speculator_options or {}).get("tree_depth")
+        depth = tree_options(self.spec_config).tree_depth
         return super().num_lookahead_tokens if depth is None else depth + 1
 
     def max_num_draft_seqs(self, max_num_batched_tokens: int) -> int:

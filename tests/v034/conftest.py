@@ -12,7 +12,7 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     from importlib.metadata import version
 
-    from vllm_ddtree.cpu_standin import VLLM_VERSION
+    from cpu_standin import VLLM_VERSION
 
     if version("vllm") != VLLM_VERSION or os.environ.get("TRITON_INTERPRET") != "1":
         raise pytest.UsageError(

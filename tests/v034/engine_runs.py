@@ -114,7 +114,7 @@ def triton_launches() -> Iterator[dict[str, object]]:
         return
     from triton.runtime.interpreter import InterpretedFunction
 
-    from vllm_ddtree.cpu_standin import kernels
+    from cpu_standin import kernels
 
     names: set[str] = set()
     run, before = InterpretedFunction.run, sum(k.fallbacks for k in kernels.load().values())

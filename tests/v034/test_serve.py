@@ -19,7 +19,7 @@ import pytest
 from engine_runs import REPO
 from serving import free_port
 
-from vllm_ddtree.cpu_standin import SETTINGS
+from cpu_standin import SETTINGS
 
 # One worker starts each server (module-scoped fixtures are per xdist worker).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("v034_serve")]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_ddtree.cpu_standin import OP_LIBRARY_DIST, OP_LIBRARY_VERSION, VLLM_VERSION
+from cpu_standin import OP_LIBRARY_DIST, OP_LIBRARY_VERSION, VLLM_VERSION
 
 SCHEMA_FILE = Path(__file__).with_name("op_schemas.txt")
 

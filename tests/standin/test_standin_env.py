@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ddtree.cpu_standin import SETTINGS, VLLM_VERSION, ops
+from cpu_standin import SETTINGS, VLLM_VERSION, ops
 
 
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -36,7 +36,7 @@ def test_vllm_runs_on_the_cpu_platform_with_the_checked_op_library() -> None:
                   "import vllm._C, vllm._cpu_ops as c; "
                   "print(p.device_type, c.fused_experts_cpu.__module__)")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["cpu", "vllm_ddtree.cpu_standin.ops"]
+    assert done.stdout.split() == ["cpu", "cpu_standin.ops"]
 
 
 def test_a_gpu_machine_is_refused_before_vllm_runs(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The PyTorch versions of DFlash's drafter-input kernel and of the rejection sampler's
-kernels (vllm_ddtree.cpu_standin.kernels.rejection) against the Triton originals run in
+kernels (cpu_standin.kernels.rejection) against the Triton originals run in
 Triton's interpreter.
 
 The rejection sampler's kernels are tested on the launches vLLM's own ``rejection_sample``
@@ -22,8 +22,8 @@ from vllm.triton_utils import dispatcher, tl, triton
 from vllm.v1.worker.gpu.spec_decode import rejection_sampler, rejection_sampler_utils
 from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash
 
-from vllm_ddtree.cpu_standin import kernels
-from vllm_ddtree.cpu_standin.kernels import FALLBACK, LAUNCH_OPTIONS, rejection
+from cpu_standin import kernels
+from cpu_standin.kernels import FALLBACK, LAUNCH_OPTIONS, rejection
 
 DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"

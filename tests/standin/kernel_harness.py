@@ -1,6 +1,6 @@
 """Runs a V2 wrapper (or a kernel launch) twice on the same inputs: once with the Triton
 kernel in Triton's interpreter, once with its PyTorch version from
-vllm_ddtree.cpu_standin.kernels, and compares every tensor argument afterwards (outputs
+cpu_standin.kernels, and compares every tensor argument afterwards (outputs
 and in-place updates) and the return values."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from vllm.triton_utils import dispatcher
 
-from vllm_ddtree.cpu_standin import kernels
+from cpu_standin import kernels
 
 
 def _swap(name: str, impl: Any) -> tuple[Any, str, Any]:

@@ -1,6 +1,6 @@
 """Builds the stand-in environment into the running Python's environment (a venv):
-``python -m vllm_ddtree.cpu_standin.build``, called by ``scripts/setup_env.sh`` on a
-machine without a GPU.
+``python -m cpu_standin.build`` from the repository's root, called by
+``scripts/setup_env.sh`` on a machine without a GPU.
 
 Each step is skipped when done, so a re-run takes seconds.
 """
@@ -13,18 +13,19 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from vllm_ddtree.cpu_standin import (
+from cpu_standin import (
     GPU_ONLY_REQUIREMENTS,
     OP_LIBRARY_DIST,
     OP_LIBRARY_FILES,
     OP_LIBRARY_VERSION,
-    PTH_NAME,
+    REPO_ROOT,
     TORCH_REQUIREMENT,
     TRITON_REQUIREMENT,
     VLLM_VERSION,
     gpu_marker,
 )
-from vllm_ddtree.upstream import REPO_ROOT, extract_from_wheel, fetch_wheel
+from vllm_ddtree.selfcheck import STANDIN_PTH
+from vllm_ddtree.upstream import extract_from_wheel, fetch_wheel
 
 
 def say(message: str) -> None:
@@ -99,7 +100,12 @@ def main(version: str) -> int:
         say(f"vLLM {VLLM_VERSION} CPU stand-in already installed")
     # The settings, at every start of this environment's Python (activate.py). vLLM finds
     # vllm_ddtree as a plugin by the entry point of its editable install (setup_env.sh).
-    (site / PTH_NAME).write_text(f"{REPO_ROOT}\nimport vllm_ddtree.cpu_standin.activate\n")
+    pth, text = site / STANDIN_PTH, f"{REPO_ROOT}\nimport cpu_standin.activate\n"
+    if not pth.is_file() or pth.read_text() != text:
+        # Also an environment built before the stand-in left vllm_ddtree (its .pth imports
+        # vllm_ddtree.cpu_standin.activate, which no longer exists), or from another checkout.
+        say(f"writing {pth.name}: {REPO_ROOT} on sys.path, import cpu_standin.activate")
+        pth.write_text(text)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The PyTorch versions of V2's sampling kernels (vllm_ddtree.cpu_standin.kernels.sampling)
+"""The PyTorch versions of V2's sampling kernels (cpu_standin.kernels.sampling)
 and the random-number replicas they use (``rng``), against the Triton originals run in
 Triton's interpreter."""
 
@@ -12,8 +12,8 @@ from kernel_harness import run_both
 from vllm.triton_utils import tl, triton
 from vllm.v1.worker.gpu.sample import gumbel, logit_bias, logprob, penalties
 
-from vllm_ddtree.cpu_standin import kernels
-from vllm_ddtree.cpu_standin.kernels import rng
+from cpu_standin import kernels
+from cpu_standin.kernels import rng
 
 # ---------------------------------------------------------------------------------- rng
 

@@ -1,5 +1,5 @@
 """The hybrid models' prefix-caching kernels (``vllm/v1/worker/mamba_utils.py``): PyTorch
-(vllm_ddtree.cpu_standin.kernels.mamba) against the Triton kernels in Triton's interpreter,
+(cpu_standin.kernels.mamba) against the Triton kernels in Triton's interpreter,
 on random and edge inputs, bit for bit.
 
 The copy kernels take raw addresses. Each call builds the metadata (the state tensors' and
@@ -18,7 +18,7 @@ from kernel_harness import run_both
 from vllm.v1.worker import mamba_utils
 from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext
 
-from vllm_ddtree.cpu_standin.kernels.mamba import MAMBA_UTILS
+from cpu_standin.kernels.mamba import MAMBA_UTILS
 
 PREPROCESS = f"{MAMBA_UTILS}.preprocess_mamba_align_fused_kernel"
 PRECOPY = f"{MAMBA_UTILS}.precopy_mamba_align_fused_kernel"

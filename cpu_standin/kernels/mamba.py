@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vllm_ddtree.cpu_standin.kernels import FALLBACK, pointer, torch_kernel
+from cpu_standin.kernels import FALLBACK, pointer, torch_kernel
 
 MAMBA_UTILS = "vllm.v1.worker.mamba_utils"
 

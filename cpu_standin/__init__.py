@@ -43,7 +43,8 @@ SETTINGS = {"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "TRITON_INT
             "VLLM_CACHE_ROOT": os.path.join(
                 os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                 f"vllm-{VLLM_VERSION}-cpu-standin")}
-PTH_NAME = "vllm_ddtree_cpu_standin.pth"
+# The checkout holding this package: the .pth file puts it on sys.path.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 # A GPU driver's files; VLLM_DDTREE_GPU_MARKERS (":"-separated) replaces them in tests.
 GPU_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from vllm_ddtree.cpu_standin import SETTINGS, VLLM_VERSION, gpu_marker
+from cpu_standin import SETTINGS, VLLM_VERSION, gpu_marker
 
 
 class RefuseOnGpu(importlib.abc.MetaPathFinder):
@@ -25,7 +25,7 @@ class RefuseOnGpu(importlib.abc.MetaPathFinder):
             return None
         raise ImportError(
             f"this is the vLLM {VLLM_VERSION} CPU stand-in environment "
-            f"(vllm_ddtree.cpu_standin), and this machine has a GPU ({gpu_marker()}): its op "
+            f"(cpu_standin), and this machine has a GPU ({gpu_marker()}): its op "
             "library torch.ops._C "
             "(_C.abi3.so) is a CPU build. Build the CUDA environment instead: "
             "scripts/setup_env.sh")
@@ -43,13 +43,13 @@ def _check_version(module: ModuleType) -> None:
 
 
 def _after_op_library(module: ModuleType) -> None:
-    from vllm_ddtree.cpu_standin import ops
+    from cpu_standin import ops
 
     ops.check_schemas()
 
 
 def _after_cpu_ops(module: ModuleType) -> None:
-    from vllm_ddtree.cpu_standin import ops
+    from cpu_standin import ops
 
     ops.install(module)
 
@@ -67,7 +67,7 @@ def _after_cpu_platform(module: ModuleType) -> None:
 
 def _worker_starts() -> None:
     """Called by every worker before its model loads."""
-    from vllm_ddtree.cpu_standin import kernels
+    from cpu_standin import kernels
 
     # VLLM_DDTREE_TORCH_KERNELS=0 leaves every kernel to Triton's interpreter (to compare).
     if os.environ.get("VLLM_DDTREE_TORCH_KERNELS", "1") != "0":

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_ddtree.cpu_standin.kernels import FALLBACK, pointer, rng, torch_kernel
+from cpu_standin.kernels import FALLBACK, pointer, rng, torch_kernel
 
 DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator"
 SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_ddtree.cpu_standin.kernels import pointer, ranges, rng, torch_kernel
+from cpu_standin.kernels import pointer, ranges, rng, torch_kernel
 
 GUMBEL = "vllm.v1.worker.gpu.sample.gumbel"
 LOGIT_BIAS = "vllm.v1.worker.gpu.sample.logit_bias"

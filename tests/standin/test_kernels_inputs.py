@@ -1,4 +1,4 @@
-"""V2's input-preparation kernels: PyTorch (vllm_ddtree.cpu_standin.kernels.inputs)
+"""V2's input-preparation kernels: PyTorch (cpu_standin.kernels.inputs)
 against the Triton kernels in Triton's interpreter, on random and edge inputs.
 
 Objects holding pointer tables (BlockTables, KVBlockZeroer) are built inside the call from
@@ -23,7 +23,7 @@ from vllm.v1.worker.gpu.buffer_utils import StagedWriteTensor
 from vllm.v1.worker.gpu.mm.rope import RopeState
 from vllm.v1.worker.gpu.model_states import mamba_hybrid
 
-from vllm_ddtree.cpu_standin.kernels.inputs import (
+from cpu_standin.kernels.inputs import (
     BLOCK_TABLE,
     BUFFER_UTILS,
     INPUT_BATCH,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_ddtree.cpu_standin.kernels import FALLBACK, pointer, ranges, torch_kernel
+from cpu_standin.kernels import FALLBACK, pointer, ranges, torch_kernel
 
 INPUT_BATCH = "vllm.v1.worker.gpu.input_batch"
 BLOCK_TABLE = "vllm.v1.worker.gpu.block_table"

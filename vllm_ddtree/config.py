@@ -90,9 +90,12 @@ def _resolve_build(spec: Any, causal_head: bool, vocab: int) -> None:
         room += level
         if room >= spec.tree_budget:
             return
+    # The depth is num_speculative_tokens (default: the drafter's block_size - 1): name it,
+    # it may be the field at fault.
     raise ValueError(f"speculative_config.tree_budget is {spec.tree_budget}, but tree_width "
                      f"{spec.tree_width!r} over the drafter's {spec.tree_depth} positions "
-                     f"places at most {room} nodes; lower tree_budget or widen tree_width")
+                     f"places at most {room} nodes; lower tree_budget, widen tree_width or "
+                     f"raise num_speculative_tokens (the tree's depth)")
 
 
 # Layer kinds named in hybrid configs (layer_types, layers_block_type) that are attention.

@@ -75,11 +75,29 @@ def with_speculator_options(spec: dict) -> dict:
     if spec.get("method") not in METHODS:
         return spec
     spec = dict(spec)
-    options = dict(spec.pop("speculator_options", None) or {})
+    given = spec.pop("speculator_options", None)
+    _check_options_mapping(given, spec["method"])
+    options = dict(given or {})
     for name in TREE_FIELDS:
-        if name in spec:
-            options[name] = spec.pop(name)
+        if name not in spec:
+            continue
+        value = spec.pop(name)
+        # Both forms at once: neither silently wins.
+        if name in options and options[name] != value:
+            raise ValueError(f"speculative_config.{name} is given twice: {value!r} beside "
+                             f"method and {options[name]!r} in speculator_options; give it "
+                             f"once")
+        options[name] = value
     return spec | ({"speculator_options": options} if options else {})
+
+
+def _check_options_mapping(options: Any, method: str) -> None:
+    """speculator_options is None or a dict: anything else (a string, a list) would fail
+    later in ``dict()`` with a message that names no field."""
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"speculative_config.speculator_options must be a mapping of option "
+                         f"names to values (method {method!r}: {', '.join(TREE_FIELDS)}), "
+                         f"got {type(options).__name__} {options!r}")
 
 
 def tree_options(spec: Any) -> TreeOptions:
@@ -111,15 +129,19 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
     @classmethod
     def configure(cls, spec: Any) -> None:
         options = cls._read_options(spec)
-        resolved = options.tree_depth is not None and spec.num_speculative_tokens == (
-            options.tree_budget)  # a config set up before (vLLM re-runs __post_init__)
-        if options.tree_depth is not None and not resolved:
+        block_size = cls._drafter_block_size(spec)
+        # A config set up before (vLLM re-runs __post_init__) carries a depth it resolved;
+        # any other tree_depth is the user's, refused (a bad one would fail unnamed below).
+        depth_given = options.tree_depth
+        resolved = (spec.num_speculative_tokens == options.tree_budget
+                    and isinstance(depth_given, int) and not isinstance(depth_given, bool)
+                    and 1 <= depth_given <= min(block_size - 1, options.tree_budget))
+        if depth_given is not None and not resolved:
             raise ValueError(f"speculative_config.speculator_options.tree_depth is "
                              f"{options.tree_depth!r}: the tree's depth is "
                              f"num_speculative_tokens (method {cls.method_name!r}); set "
                              f"that instead")
         depth = options.tree_depth if resolved else spec.num_speculative_tokens
-        block_size = cls._drafter_block_size(spec)
         if depth is not None and depth > block_size - 1:
             raise ValueError(f"speculative_config.num_speculative_tokens is {depth}, deeper "
                              f"than the drafter drafts: at most block_size - 1 = "
@@ -137,6 +159,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                              f"they must match")
         verify_target_model(target, cls.method_name)
         _refuse_parallel_settings(spec.target_parallel_config, cls.method_name)
+        _verify_dynamic_schedule(spec)
         if target.is_hybrid or target.has_inner_state:
             _verify_recurrent_target(target)
         spec.num_speculative_tokens = options.tree_budget
@@ -172,6 +195,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         if spec.model is None:
             raise ValueError(f"speculative_config.model: method {cls.method_name!r} needs a "
                              f"DFlash drafter checkpoint (the same ones method 'dflash' takes)")
+        _check_options_mapping(spec.speculator_options, cls.method_name)
         given = dict(spec.speculator_options or {})
         unknown = sorted(set(given) - set(OPTION_NAMES))
         if unknown:
@@ -247,7 +271,7 @@ def select_tree_attention(vllm_config: Any) -> None:
     (its own attention settings, this hook run again): a non-causal drafter's copy, or one
     with the backend speculative_config.attention_backend names, keeps its choice; a causal
     JetSpec head's copy gets TREE_ATTN too, which attends without trees for the drafter's
-    layers (TreeBatch.excluded_layers)."""
+    layers (their builders are never handed the trees: attention/tree_batch.py)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     attention, tree = vllm_config.attention_config, AttentionBackendEnum["TREE_ATTN"]
@@ -279,6 +303,21 @@ def _refuse_parallel_settings(parallel: Any, method: str) -> None:
             raise ValueError(f"parallel_config.{name} is {value!r}: method {method!r} "
                              f"compacts every request's accepted path on every rank; "
                              f"leave it unset (use tensor parallelism)")
+
+
+def _verify_dynamic_schedule(spec: Any) -> None:
+    """vLLM checks num_speculative_tokens_per_batch_size only when it first uses it (the
+    scheduler, the CUDA graph sizes), some of its messages naming no field: checked here
+    by vLLM's own rules, so that a schedule that cannot run is refused at start-up."""
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    if spec.num_speculative_tokens_per_batch_size is None:
+        return
+    try:
+        validate_and_normalize_dynamic_sd_schedule(spec.num_speculative_tokens_per_batch_size)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.num_speculative_tokens_per_batch_size is "
+                         f"{spec.num_speculative_tokens_per_batch_size!r}: {e}") from e
 
 
 class JetSpecSpeculatorConfig(DDTreeSpeculatorConfig):

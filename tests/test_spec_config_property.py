@@ -156,7 +156,7 @@ def assert_runnable(spec: dict, config: Any) -> None:
     passing."""
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    from vllm_ddtree.config import TREE_BUILDS, TREE_FIELDS
+    from vllm_ddtree.spec_decode.options import TREE_BUILDS, TREE_FIELDS
 
     given = spec.get("speculator_options") or {}
     twice = [n for n in TREE_FIELDS if n in spec and n in given and spec[n] != given[n]]

@@ -92,12 +92,8 @@ def run_cpu_mixed_batch(batch, dtype, monkeypatch, window: int | None = None,
         slot_mapping=slots)
     trees = tree_batch.TreeBatch(16, 11, "cpu")
     trees.set_trees(batch.tree_index, batch.ancestor_mask, batch.depths)
-    builder.vllm_config = SimpleNamespace(instance_id="test-mixed-batch")
-    tree_batch.install(builder.vllm_config, trees)
-    try:
-        metadata = builder.build(0, common)
-    finally:
-        tree_batch.install(builder.vllm_config, None)
+    builder.read_trees(trees)
+    metadata = builder.build(0, common)
     out = torch.full_like(batch.query, float("nan"))
     impl.forward(layer, batch.query, None, None, kv_cache, metadata, out)
     return metadata.tree_requests, out
@@ -248,7 +244,6 @@ def test_cuda_backend_glue_on_the_interpreter(kinds, contexts, window, with_sink
                              sinks=sinks)
     kv_cache = torch.cat([batch.key_cache, batch.value_cache], dim=-1).transpose(1, 2)
     builder = object.__new__(TreeAttentionMetadataBuilder)
-    builder.vllm_config = SimpleNamespace(instance_id="test-cuda-backend-glue")
     builder._no_trees = tree_batch.TreeBatch(16, 0, "cpu")
     common = CommonAttentionMetadata(
         query_start_loc=batch.query_start_loc, query_start_loc_cpu=batch.query_start_loc,
@@ -258,11 +253,9 @@ def test_cuda_backend_glue_on_the_interpreter(kinds, contexts, window, with_sink
         slot_mapping=torch.zeros(batch.query.shape[0], dtype=torch.int64))
     trees = tree_batch.TreeBatch(16, 11, "cpu")
     trees.set_trees(batch.tree_index, batch.ancestor_mask, batch.depths)
-    tree_batch.install(builder.vllm_config, trees)
-    try:
-        metadata = builder.build(0, common)
-    finally:
-        tree_batch.install(builder.vllm_config, None)
+    plain = builder.build(0, common)  # before it is handed trees
+    builder.read_trees(trees)
+    metadata = builder.build(0, common)
     # Padding rows past the batch's tokens are left alone.
     out = torch.full((batch.query.shape[0] + 3, *batch.query.shape[1:]), float("nan"))
     query = torch.cat([batch.query, torch.randn(3, *batch.query.shape[1:])])
@@ -270,8 +263,7 @@ def test_cuda_backend_glue_on_the_interpreter(kinds, contexts, window, with_sink
     err = (out[:-3].double() - dense_reference(batch, window, sinks)).abs().max().item()
     assert err <= 1e-4, err
     assert out[-3:].isnan().all()
-    # Without installed trees every request runs causal: a plain batch's attention.
-    plain = builder.build(0, common)
+    # Without trees handed to it every request runs causal: a plain batch's attention.
     assert (plain.tree_index == -1).all()
     # vLLM's fusion pass must not hand it output scales (its forward refuses them).
     from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8StaticTensorSym

@@ -1,5 +1,5 @@
 """No Triton kernel of ours compiles once the engine serves: the warm-up forward (the first
-tree step's, V2's start-up warm-up step, under attention.backend.set_warm_up: tested in
+tree step's, V2's start-up warm-up step, under TreeBatch.set_warm_up: tested in
 tests/v034/test_ddtree_limits.py) launches every configuration a real step can launch.
 Launches are compared by the key Triton's CUDA JIT compiles them under (tests/jit_keys.py),
 worked out on CPU: the tree kernel and its merge on Triton's interpreter, with split counts
@@ -49,7 +49,7 @@ def test_warm_up_forward_launches_exactly_what_steps_launch(monkeypatch, dtype, 
     # The backend's forward over every batch shape up to 160 tokens in 8 requests (tree
     # buffers as the runner installs them, padded queries as vLLM pads batches) launches
     # exactly the configurations that one forward of one token launches under
-    # set_warm_up((160, 8)): each split count auto_splits picks (1, 2 and 4; none with a
+    # TreeBatch.set_warm_up((160, 8)): each split count auto_splits picks (1, 2 and 4; none with a
     # window) with its merge, and no other key (a batch size changes no other argument's
     # specialization). The kernels are not run.
     from vllm_ddtree.attention import backend, tree_batch
@@ -72,14 +72,12 @@ def test_warm_up_forward_launches_exactly_what_steps_launch(monkeypatch, dtype, 
             seq_lens=seq_lens[:num_reqs], block_table=block_table[:num_reqs],
             slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
             tree_index=trees.tree_index[:num_reqs], ancestor_mask=trees.ancestor_mask,
-            depths=trees.depths)
+            depths=trees.depths, warm_up=trees.warm_up)
         impl.forward(None, query, None, None, kv_cache, metadata, torch.empty_like(query))
 
-    backend.set_warm_up((max_tokens, max_reqs))
-    try:
-        step(1, 1)
-    finally:
-        backend.set_warm_up(None)
+    trees.set_warm_up((max_tokens, max_reqs))
+    step(1, 1)
+    trees.set_warm_up(None)
     start_up = set(launches)
     launches.clear()
     for num_reqs in range(1, max_reqs + 1):

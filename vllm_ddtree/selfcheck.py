@@ -348,13 +348,15 @@ def check_method() -> Check:
     except Exception as e:
         return Check("method ddtree", FAIL, f"vLLM's speculator registry does not import: "
                      f"{_first_line(e)}", "see vLLM version and patch series")
-    missing = sorted({"ddtree", "jetspec"} - methods)
+    from vllm_ddtree.spec_decode.options import METHODS
+
+    missing = sorted(set(METHODS) - methods)
     if missing:
         return Check("method ddtree", FAIL, f"{', '.join(missing)} not in vLLM's speculator "
                      "registry (vLLM did not load vllm_ddtree's plugin: see vLLM plugin)",
                      PLUGIN)
-    return Check("method ddtree", OK, "registered in vLLM's speculator registry (ddtree, "
-                 "jetspec)")
+    return Check("method ddtree", OK, f"registered in vLLM's speculator registry "
+                 f"({', '.join(METHODS)})")
 
 
 def check_plugin() -> Check:

@@ -124,3 +124,43 @@ def test_cuda_backend_in_the_engine_on_the_interpreter(tiny_models: Path, tmp_pa
     assert calls["deepest_move"] >= (5 if family == "qwen3" else 3), calls
     parallel, serial = emulated_cuda_ops.take_build_counts()
     assert parallel > 0 and serial == 0, (parallel, serial)  # every tree built in parallel
+
+
+def test_jetspec_head_on_the_cuda_backend_never_sees_the_targets_trees(
+        monkeypatch: pytest.MonkeyPatch, cuda_tree_attn_on_cpu,
+        cuda_ops_on_the_emulator) -> None:
+    """A causal JetSpec head attends through TREE_ATTN's CUDA backend too (its layers'
+    builders are the drafter's own). Without the spine a tree's nodes are not causal, so a
+    drafter handed the target's trees would attend through the last verify step's masks:
+    every attention call of the drafter's layers must be told no tree, and the output stays
+    the target's (greedy, logprobs) with the trained head's trees accepted off the spine."""
+    from vllm_ddtree.attention import backend
+
+    pair = Path(__file__).resolve().parents[2] / "models" / "tiny-pair"
+    alone, _ = generate(pair, None, 24)
+    forward = backend.TreeAttentionImpl.forward
+    calls: list[tuple[str, bool]] = []  # per call: the layer, whether a request had a tree
+
+    def recorded(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        if attn_metadata is not None:
+            calls.append((layer.layer_name, bool((attn_metadata.tree_index >= 0).any())))
+        return forward(self, layer, query, key, value, kv_cache, attn_metadata, *args,
+                       **kwargs)
+
+    monkeypatch.setattr(backend.TreeAttentionImpl, "forward", recorded)
+    spec = {"method": "jetspec", "model": str(pair / "jetspec-drafter"), "tree_budget": 16,
+            "tree_spine": False}
+    outputs, llm = generate(pair, spec, 24)
+    for prompt, out in outputs.items():
+        want = alone[prompt]
+        assert list(out.token_ids) == list(want.token_ids), prompt
+        for j, (token, w, g) in enumerate(zip(want.token_ids, want.logprobs, out.logprobs)):
+            assert abs(g[token].logprob - w[token].logprob) < 1e-4, (prompt, j)
+    speculator = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner.speculator
+    assert speculator.spine is False and speculator.widths == (7,)
+    drafter = [tree for name, tree in calls if name in speculator.draft_attn_layer_names]
+    assert drafter and not any(drafter), f"{sum(drafter)} of {len(drafter)} calls with trees"
+    assert any(tree for name, tree in calls if name not in speculator.draft_attn_layer_names)
+    stats = tree_stats(llm)
+    assert stats["longest_accepted"] >= 2 and stats["paths_off_the_index_line"] > 0, stats

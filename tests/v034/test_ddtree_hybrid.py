@@ -173,8 +173,8 @@ def test_the_stash_is_what_stash_bytes_counts(tiny_hybrid: Path, monkeypatch) ->
     """The start-up check's size of the stash (config.stash_bytes) is what a verify step
     keeps: each GDN layer's stashed tensors hold stash_bytes_per_row bytes per verify row,
     and a step has at most max_num_seqs x (tree_budget + 1) rows."""
-    from vllm_ddtree.config import stash_bytes
     from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, stash_bytes_per_row
+    from vllm_ddtree.recurrent.limits import stash_bytes
 
     seen, commit = [], GDNTreeVerify.commit
 

@@ -253,11 +253,11 @@ def test_the_start_up_warm_up_runs_with_trees(alone: dict,
     during start-up, and cleared after that step."""
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.attention import backend
+    from vllm_ddtree.attention.tree_batch import TreeBatch
     from vllm_ddtree.spec_decode.verifier import TreeVerifier
 
     calls: list = []
-    monkeypatch.setattr(backend, "set_warm_up", calls.append)
+    monkeypatch.setattr(TreeBatch, "set_warm_up", lambda self, bounds: calls.append(bounds))
     bind = TreeVerifier.bind
 
     def bind_as_on_cuda(self, *args) -> None:
@@ -314,7 +314,7 @@ def test_recurrent_kinds_are_named_and_gated_deltanet_passes() -> None:
     the config names none; Gated DeltaNet architectures (Qwen3-Next, Qwen3.5) pass."""
     from types import SimpleNamespace
 
-    from vllm_ddtree.config import _verify_recurrent_target
+    from vllm_ddtree.recurrent.limits import verify_recurrent_target
 
     def target(arch: str, **hf: object) -> SimpleNamespace:
         return SimpleNamespace(model="some/hybrid-model", architectures=[arch],
@@ -322,13 +322,13 @@ def test_recurrent_kinds_are_named_and_gated_deltanet_passes() -> None:
 
     with pytest.raises(ValueError, match=r"has recurrent layers \(kind not named in its "
                                          r"config; NemotronHForCausalLM\), which"):
-        _verify_recurrent_target(target("NemotronHForCausalLM"))
+        verify_recurrent_target(target("NemotronHForCausalLM"))
     with pytest.raises(ValueError, match="has recurrent layers of kind mamba, which"):
-        _verify_recurrent_target(target("JambaForCausalLM",
+        verify_recurrent_target(target("JambaForCausalLM",
                                         layers_block_type=["attention", "mamba"]))
     for gdn in ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
                 "Qwen3_5MoeForConditionalGeneration"):
-        _verify_recurrent_target(target(gdn, layer_types=["linear_attention",
+        verify_recurrent_target(target(gdn, layer_types=["linear_attention",
                                                           "full_attention"]))
 
 

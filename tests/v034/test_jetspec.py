@@ -120,7 +120,7 @@ def test_vllms_dflash_loader_reads_causal_head(tmp_path: Path) -> None:
     for name, drafter in (
             ("dflash_config.causal", head(tmp_path / "a", causal=False)),
             ("is_causal", head(tmp_path / "b", top={"is_causal": False}))):
-        with pytest.raises(ValueError, match=f"{name} is false but dflash_config.causal_head"):
+        with pytest.raises(ValueError, match=f"{name} is False but dflash_config.causal_head"):
             dflash_has_any_non_causal(hf(drafter))
 
 

@@ -4,7 +4,8 @@ It keeps the Triton backend's KV cache (per layer ``[blocks, kv_heads, block_siz
 2 * head_size]``, K and V side by side) and its cache writes, and replaces the attention
 call with ``tree_attention``: causal for requests without a tree, tree-masked for the
 others, one launch. Everything the kernel reads comes from persistent buffers (the runner's
-and ``tree_batch``), so a uniform verify batch can be captured in a CUDA graph.
+and the ``TreeBatch`` the speculator handed the builder), so a uniform verify batch can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,24 +23,11 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
+from vllm_ddtree.attention.tree_batch import TreeBatch, TreeBatchReader
 from vllm_ddtree.attention.triton_tree_attention import split_choices, tree_attention
 from vllm_ddtree.ops import compact_tree
 from vllm_ddtree.tree import Verdict
-
-# Set for a warm-up forward (set_warm_up): the engine's most tokens and requests per step.
-_warm_up_bounds: tuple[int, int] | None = None
-
-
-def set_warm_up(bounds: tuple[int, int] | None) -> None:
-    """While set to (max tokens, max requests) per step, each forward first launches the
-    kernel at every split count its layer can pick for steps of up to these sizes (each a
-    variant Triton compiles on its own), with the forward's own arguments: one forward so
-    compiles them all. None ends it. The tree verifier sets it for the first tree step's
-    forward (V2's start-up warm-up step)."""
-    global _warm_up_bounds
-    _warm_up_bounds = bounds
 
 
 class TreeAttentionBackend(TreeAttentionFeatures, TritonAttentionBackend):
@@ -66,25 +54,30 @@ class TreeAttentionMetadata:
     tree_index: torch.Tensor  # int32 [num_reqs]
     ancestor_mask: torch.Tensor  # int32 [max_num_reqs, budget + 1, words]
     depths: torch.Tensor  # int32 [max_num_reqs, budget + 1]
+    # (max tokens, max requests) per step for a warm-up forward (TreeBatch.set_warm_up):
+    # each layer first launches the kernel at every split count it can pick for steps of
+    # up to these sizes (each a variant Triton compiles on its own), with the forward's own
+    # arguments, so one forward compiles them all.
+    warm_up: tuple[int, int] | None = None
 
 
-class TreeAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+class TreeAttentionMetadataBuilder(TreeBatchReader, TritonAttentionMetadataBuilder):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         max_reqs = vllm_config.scheduler_config.max_num_seqs
-        self._no_trees = tree_batch.TreeBatch(max_reqs, 0, device)
+        self._no_trees = TreeBatch(max_reqs, 0, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TreeAttentionMetadata:
         cm = common_attn_metadata
-        trees = tree_batch.current(self.vllm_config) or self._no_trees
+        trees = self.trees or self._no_trees
         return TreeAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping, tree_index=trees.tree_index[:cm.num_reqs],
-            ancestor_mask=trees.ancestor_mask, depths=trees.depths)
+            ancestor_mask=trees.ancestor_mask, depths=trees.depths, warm_up=trees.warm_up)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> TreeAttentionMetadata:
@@ -130,9 +123,10 @@ class TreeAttentionImpl(TritonAttentionImpl):
             attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.query_start_loc,
             attn_metadata.tree_index, attn_metadata.ancestor_mask, self.scale,
             sliding_window=window, sinks=self.sinks, depths=attn_metadata.depths)
-        if _warm_up_bounds is not None:  # start-up: the split variants later steps pick
+        if attn_metadata.warm_up is not None:  # start-up: the variants later steps pick
             for splits in split_choices(query.dtype, query.shape[1], key_cache.shape[2],
-                                        window is not None, *_warm_up_bounds, query.device):
+                                        window is not None, *attn_metadata.warm_up,
+                                        query.device):
                 launch(num_splits=splits)
         launch()
         return output

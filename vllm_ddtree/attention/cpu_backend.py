@@ -25,9 +25,9 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.attention import tree_batch
 from vllm_ddtree.attention.features import TreeAttentionFeatures, refuse_unsupported
 from vllm_ddtree.attention.torch_tree_attention import TreeGroup, attend, plan_tree_groups
+from vllm_ddtree.attention.tree_batch import TreeBatchReader
 from vllm_ddtree.ops import compact_tree
 from vllm_ddtree.tree import Verdict
 
@@ -213,14 +213,14 @@ class TreeAttentionCPUMetadata(CPUAttentionMetadata):
         return self.planned[sliding_window]
 
 
-class TreeAttentionCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+class TreeAttentionCPUMetadataBuilder(TreeBatchReader, CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TreeAttentionCPUMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         metadata = TreeAttentionCPUMetadata(**base.__dict__)
-        trees = tree_batch.current(self.vllm_config)
+        trees = self.trees
         num_reqs = common_attn_metadata.num_reqs
-        if trees is None or not trees.sees(getattr(self, "layer_names", ())):
+        if trees is None:  # the drafter's builders, and engines without trees
             return metadata
         index = trees.tree_index[:num_reqs]
         kinds = index.tolist()

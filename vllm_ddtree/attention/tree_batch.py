@@ -1,16 +1,15 @@
-"""The trees of the current step, handed from the runner to the attention backends.
+"""The trees of the current step, as TREE_ATTN's metadata builders read them.
 
 vLLM's metadata builders see only ``CommonAttentionMetadata``, which has no room for a
-tree. The DDTree runner writes the step's trees here (persistent buffers, so a captured
-CUDA graph reads fresh values) before attention metadata is built; a request whose
-``tree_index`` is -1 has no tree and attends causally. With no ``TreeBatch`` installed for
-the engine, TREE_ATTN is plain causal attention.
+tree. The ddtree speculator hands its ``TreeBatch`` to the target's TREE_ATTN builders
+(``TreeBatchReader.read_trees``, in its ``set_attn``), never to the drafter's, which are
+other builder objects: the draft layers cannot see the target's trees. The verifier points
+the batch at the step's trees (persistent buffers, so a captured CUDA graph reads fresh
+values) before attention metadata is built; a request whose ``tree_index`` is -1 has no
+tree and attends causally. A builder handed no batch is plain causal attention.
 """
 
 from __future__ import annotations
-
-from collections.abc import Collection
-from typing import Any
 
 import torch
 
@@ -24,46 +23,52 @@ class TreeBatch:
                                          dtype=torch.int32, device=device)
         # Node depths, for sliding windows (which count positions, and siblings share one).
         self.depths = torch.zeros(max_num_reqs, budget + 1, dtype=torch.int32, device=device)
-        # Attention layers that never see the trees (the drafter's, whose builders share
-        # the target's config and so find this batch; a builder of the target's may list
-        # them too).
-        self.excluded_layers: set[str] = set()
+        # (max tokens, max requests) per step while the step's forward is the warm-up one
+        # (set_warm_up): the CUDA backend then compiles every kernel variant a later step
+        # may pick.
+        self.warm_up: tuple[int, int] | None = None
 
     def set_trees(self, tree_index: torch.Tensor, ancestor_mask: torch.Tensor,
                   depths: torch.Tensor) -> None:
         """In place: row r of the batch uses tree ``tree_index[r]`` (-1: none)."""
-        n, t = tree_index.shape[0], ancestor_mask.shape[0]
-        self.tree_index[:n].copy_(tree_index)
-        self.tree_index[n:].fill_(-1)
+        t = ancestor_mask.shape[0]
+        self.point(tree_index)
         self.ancestor_mask[:t].copy_(ancestor_mask)
         self.depths[:t].copy_(depths)
 
     def point(self, tree_index: torch.Tensor) -> None:
         """Row r of the batch uses tree ``tree_index[r]`` (-1: none) of the masks and depths
-        already in place (written per request-state slot by vLLM 0.34's speculator)."""
+        already in place (written per request-state slot by the speculator)."""
         n = tree_index.shape[0]
         self.tree_index[:n].copy_(tree_index)
         self.tree_index[n:].fill_(-1)
 
-    def sees(self, layer_names: Collection[str]) -> bool:
-        """Whether a metadata builder of these layers builds tree metadata (a builder that
-        names no layers does)."""
-        return not layer_names or not set(layer_names) <= self.excluded_layers
-
     def clear(self) -> None:
         self.tree_index.fill_(-1)
 
-
-# Per engine (keyed by VllmConfig.instance_id): several engines may share a process.
-_installed: dict[str, TreeBatch] = {}
-
-
-def install(vllm_config: Any, batch: TreeBatch | None) -> None:
-    if batch is None:
-        _installed.pop(vllm_config.instance_id, None)
-    else:
-        _installed[vllm_config.instance_id] = batch
+    def set_warm_up(self, bounds: tuple[int, int] | None) -> None:
+        """(max tokens, max requests) per step for the next forward (the first tree step's,
+        V2's start-up warm-up); None ends it."""
+        self.warm_up = bounds
 
 
-def current(vllm_config: Any) -> TreeBatch | None:
-    return _installed.get(getattr(vllm_config, "instance_id", None))
+class TreeBatchReader:
+    """A TREE_ATTN metadata builder's side of the hand-off: the batch it was handed."""
+
+    trees: TreeBatch | None = None
+
+    def read_trees(self, trees: TreeBatch) -> None:
+        self.trees = trees
+
+
+def hand_to_builders(attn_groups: list, trees: TreeBatch) -> int:
+    """Hands ``trees`` to every TREE_ATTN builder of these attention groups (the target's:
+    the runner's groups exclude the drafter's layers); returns how many took it."""
+    handed = 0
+    for groups in attn_groups:
+        for group in groups:
+            for builder in group.metadata_builders:
+                if isinstance(builder, TreeBatchReader):
+                    builder.read_trees(trees)
+                    handed += 1
+    return handed

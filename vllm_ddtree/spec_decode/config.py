@@ -5,7 +5,7 @@ process) as configs built on DFlash's: vLLM then moves the name to ``custom_meth
 ``method = "dflash"``, and DFlash's whole set-up (draft model config, aux hidden states of the
 target, context handling) applies. The tree fields go in ``speculator_options`` (vLLM refuses
 unknown top-level fields of the speculative config); patch 0001 moves the
-documented top-level ones there (``with_speculator_options``):
+documented top-level ones there (``options.with_speculator_options``):
 
     {"method": "ddtree", "model": DRAFTER, "tree_budget": 64}
     {"method": "ddtree", "model": DRAFTER, "speculator_options": {"tree_budget": 64}}
@@ -13,97 +13,44 @@ documented top-level ones there (``with_speculator_options``):
 ``num_speculative_tokens``, if given, is the tree's depth (the drafter's mask positions,
 default block_size - 1). After ``configure`` it is ``tree_budget``, the draft tokens the
 scheduler schedules per request, and the resolved tree fields, ``tree_depth`` included, are
-back in ``speculator_options`` (``tree_options`` reads them). Config modules are imported in
-every process, so this one imports no speculator.
+back in ``speculator_options`` (``options.tree_options`` reads them). The fields and their
+checks are in ``options.py``; here, vLLM's registry and the checks that need the whole
+config. Config modules are imported in every process, so this one imports no speculator.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, ClassVar
 
 from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
 
-from vllm_ddtree.config import (
-    DEFAULT_TREE_BUDGET,
+from vllm_ddtree.recurrent.limits import (
+    memory_beside_kv_cache,
+    verify_recurrent_engine,
+    verify_recurrent_target,
+    verify_stash_fits,
+)
+from vllm_ddtree.spec_decode.options import (
+    OPTION_NAMES,
     TREE_FIELDS,
-    _memory_beside_kv_cache,
-    _resolve_build,
-    _verify_head,
-    _verify_recurrent_engine,
-    _verify_recurrent_target,
-    _verify_stash_fits,
+    TreeOptions,
+    check_options_mapping,
     check_tree_fields,
+    is_tree_method,
     per_depth_synthetic_rates,
-    verify_target_model,
+    resolve_build,
+    tree_options,
+    verify_head,
 )
 
 logger = logging.getLogger("vllm.ddtree")
-# The user's fields, and the depth the resolved options carry too.
-OPTION_NAMES = (*TREE_FIELDS, "tree_depth")
-METHODS = ("ddtree", "jetspec")
 # Verify steps replay FULL decode graphs keyed by request count at tree_budget + 1 tokens a
 # request. Off SM100 vLLM derives its default counts from the 512-token shared sizes (7
 # requests at budget 64), every second count past 6: trees get every count up to this many
 # (a padded request costs a whole tree of rows), unless the user set the counts.
 DECODE_GRAPH_REQUESTS = 32
-
-
-def is_tree_method(spec: Any) -> bool:
-    """Whether a (configured) speculative config is ddtree's or jetspec's."""
-    return spec is not None and getattr(spec, "custom_method", None) in METHODS
-
-
-@dataclass
-class TreeOptions:
-    """The tree fields, as ``vllm_ddtree.config``'s checks read them (``spec.<field>``)."""
-
-    model: str
-    tree_budget: int = DEFAULT_TREE_BUDGET
-    tree_depth: int | None = None
-    tree_spine: bool = True
-    tree_build: str | None = None
-    tree_width: int | list[int] | None = None
-
-
-def with_speculator_options(spec: dict) -> dict:
-    """The documented form of a ddtree or jetspec speculative config (tree fields at the top
-    level) as vLLM 0.34 takes it: under ``speculator_options``. Called on the user's
-    dict by EngineArgs (patch 0001); other methods' configs are returned
-    as they are."""
-    if spec.get("method") not in METHODS:
-        return spec
-    spec = dict(spec)
-    given = spec.pop("speculator_options", None)
-    _check_options_mapping(given, spec["method"])
-    options = dict(given or {})
-    for name in TREE_FIELDS:
-        if name not in spec:
-            continue
-        value = spec.pop(name)
-        # Both forms at once: neither silently wins.
-        if name in options and options[name] != value:
-            raise ValueError(f"speculative_config.{name} is given twice: {value!r} beside "
-                             f"method and {options[name]!r} in speculator_options; give it "
-                             f"once")
-        options[name] = value
-    return spec | ({"speculator_options": options} if options else {})
-
-
-def _check_options_mapping(options: Any, method: str) -> None:
-    """speculator_options is None or a dict: anything else (a string, a list) would fail
-    later in ``dict()`` with a message that names no field."""
-    if options is not None and not isinstance(options, dict):
-        raise ValueError(f"speculative_config.speculator_options must be a mapping of option "
-                         f"names to values (method {method!r}: {', '.join(TREE_FIELDS)}), "
-                         f"got {type(options).__name__} {options!r}")
-
-
-def tree_options(spec: Any) -> TreeOptions:
-    """The resolved tree fields of a configured speculative config."""
-    options = spec.speculator_options or {}
-    return TreeOptions(spec.model, **{k: options[k] for k in OPTION_NAMES if k in options})
 
 
 # Settings of V2's verification that tree verification does not honour: (field, the value
@@ -151,7 +98,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         hf = spec.draft_model_config.hf_config
         # A tree of B nodes is at most B deep: the drafter need not draft further.
         options.tree_depth = min(depth or block_size - 1, options.tree_budget)
-        _resolve_build(options, _verify_head(options, hf), hf.vocab_size)
+        resolve_build(options, verify_head(options, hf), hf.vocab_size)
         target = spec.target_model_config
         if hf.vocab_size != target.get_vocab_size():
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of "
@@ -161,7 +108,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         _refuse_parallel_settings(spec.target_parallel_config, cls.method_name)
         _verify_dynamic_schedule(spec)
         if target.is_hybrid or target.has_inner_state:
-            _verify_recurrent_target(target)
+            verify_recurrent_target(target)
         spec.num_speculative_tokens = options.tree_budget
         spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
         # Synthetic acceptance (benchmarking only): per-depth rates, padded for vLLM's
@@ -195,7 +142,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         if spec.model is None:
             raise ValueError(f"speculative_config.model: method {cls.method_name!r} needs a "
                              f"DFlash drafter checkpoint (the same ones method 'dflash' takes)")
-        _check_options_mapping(spec.speculator_options, cls.method_name)
+        check_options_mapping(spec.speculator_options, cls.method_name)
         given = dict(spec.speculator_options or {})
         unknown = sorted(set(given) - set(OPTION_NAMES))
         if unknown:
@@ -248,8 +195,8 @@ def verify_vllm_config(vllm_config: Any) -> None:
                          f"tree_budget + 1 = {budget + 1} tokens, more than "
                          f"max_num_batched_tokens ({tokens})")
     if model is not None and model.is_hybrid:
-        _verify_recurrent_engine(vllm_config.cache_config, current_platform)
-        _verify_stash_fits(vllm_config, _memory_beside_kv_cache(vllm_config,
+        verify_recurrent_engine(vllm_config.cache_config, current_platform)
+        verify_stash_fits(vllm_config, memory_beside_kv_cache(vllm_config,
                                                                 current_platform))
         if current_platform.is_cuda() and cc.cudagraph_mode != CUDAGraphMode.NONE:
             # The GDN layers' tree path reads the step's trees on the host (the forest of
@@ -340,3 +287,17 @@ def register() -> None:
     register_speculative_method("jetspec", f"{__name__}.JetSpecSpeculatorConfig")
     register_backend("TREE_ATTN",
                      CPU_BACKEND_PATH if current_platform.is_cpu() else CUDA_BACKEND_PATH)
+
+
+def verify_target_model(model: Any, method: str = "ddtree") -> None:
+    # Engine-wide logits processing that tree verification does not apply: refused here,
+    # not left to change the output silently.
+    if model.logprobs_mode.startswith("processed"):
+        raise ValueError(f"model_config.logprobs_mode is {model.logprobs_mode!r}: method "
+                         f"{method!r} returns raw_logprobs or raw_logits only")
+    if model.logits_processors:
+        raise ValueError(f"model_config.logits_processors: method {method!r} does not run "
+                         f"custom logits processors at tree nodes; leave them unset")
+    if model.return_sampling_mask:
+        raise ValueError(f"model_config.return_sampling_mask is not supported with method "
+                         f"{method!r}")

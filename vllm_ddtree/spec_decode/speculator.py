@@ -24,9 +24,8 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm_ddtree import ops
 from vllm_ddtree.attention.features import refuse_quantized_kv_cache
 from vllm_ddtree.attention.tree_batch import TreeBatch
-from vllm_ddtree.config import tree_widths
-from vllm_ddtree.spec_decode.config import tree_options
 from vllm_ddtree.spec_decode.model_state import install_model_state
+from vllm_ddtree.spec_decode.options import tree_options, tree_widths
 from vllm_ddtree.spec_decode.verifier import TreeVerifier
 
 
@@ -132,7 +131,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
                          target_attn_groups)
         self.verifier.bind(self.vllm_config, kv_cache_config, block_tables,
-                           self.draft_attn_layer_names)
+                           self.draft_attn_layer_names, target_attn_groups)
 
     def _generate_draft(self, num_reqs: int, num_tokens_padded: int,
                         attn_metadata: dict[str, Any] | None,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from vllm_ddtree import ops
-from vllm_ddtree.attention import tree_batch
+from vllm_ddtree.attention.tree_batch import hand_to_builders
 from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, gdn_layers
 from vllm_ddtree.spec_decode.compaction import target_kv_compactions
 from vllm_ddtree.synthetic import SyntheticAcceptance
@@ -73,12 +73,12 @@ class TreeVerifier:
         self._index_line = torch.arange(1, self.max_depth + 1, dtype=torch.int32, device=dev)
 
     def bind(self, vllm_config: Any, kv_cache_config: Any, block_tables: Any,
-             draft_layers: set[str]) -> None:
-        """Once the KV cache exists (the speculator's set_attn)."""
+             draft_layers: set[str], target_attn_groups: list) -> None:
+        """Once the KV cache exists (the speculator's set_attn): the target's TREE_ATTN
+        builders get the trees (the drafter's builders are others: never)."""
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.block_tables, self.draft_layers = block_tables, set(draft_layers)
-        self.trees.attention.excluded_layers = self.draft_layers
-        tree_batch.install(vllm_config, self.trees.attention)
+        hand_to_builders(target_attn_groups, self.trees.attention)
         layers = gdn_layers(vllm_config)
         if layers:
             self.gdn = GDNTreeVerify(self.max_depth)
@@ -127,9 +127,7 @@ class TreeVerifier:
         self.trees.attention.point(torch.where(is_tree, input_batch.idx_mapping, -1))
         self.step = TreeStep(rows, delta, chain_rows=self.trees.chain[slots])
         if self._warm_up is not None:
-            from vllm_ddtree.attention.backend import set_warm_up
-
-            set_warm_up(self._warm_up)
+            self.trees.attention.set_warm_up(self._warm_up)
         if self.gdn is not None:  # chains' parents are chains (TreeStore.write)
             self.gdn.begin_step(self.trees.parents[input_batch.idx_mapping])
 
@@ -193,9 +191,7 @@ class TreeVerifier:
         input_batch.positions[step.rows] -= step.delta  # chain positions, for the drafter
         self._count(verdict)
         if self._warm_up is not None:  # after the first tree step's forward: done
-            from vllm_ddtree.attention.backend import set_warm_up
-
-            set_warm_up(None)
+            self.trees.attention.set_warm_up(None)
             self._warm_up = None
         return SamplerOutput(sampled_token_ids=verdict.output_tokens, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled,

@@ -5,6 +5,8 @@
 
 #include <tuple>
 
+#include "tree_checks.h"
+
 namespace vllm_ddtree {
 
 using TreeTensors =
@@ -29,6 +31,31 @@ struct TreeOutputs {
   TreeTensors as_tuple() const {
     return {token_ids, parents, depths, first_child, next_sibling, mask, scores};
   }
+};
+
+inline Widths checked_build_widths(const at::Tensor& root_tokens,
+                                   const at::Tensor& topk_logprobs, const at::Tensor& topk_ids,
+                                   int64_t budget, at::IntArrayRef width_list) {
+  const Widths widths =
+      make_widths(width_list, topk_logprobs.dim() == 3 ? topk_logprobs.size(2) : 0);
+  check_build_args(root_tokens, topk_logprobs, topk_ids, budget, widths);
+  return widths;
+}
+
+// What build_tree does before building on either device: its arguments checked (first),
+// its inputs contiguous, its outputs allocated.
+struct BuildCall {
+  Widths widths;
+  int64_t R, L, K, N;  // requests, drafter positions, top-k, nodes (budget + 1)
+  at::Tensor logprobs, ids, roots;
+  TreeOutputs out;
+
+  BuildCall(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
+            const at::Tensor& topk_ids, int64_t budget, at::IntArrayRef width_list)
+      : widths(checked_build_widths(root_tokens, topk_logprobs, topk_ids, budget, width_list)),
+        R(topk_logprobs.size(0)), L(topk_logprobs.size(1)), K(topk_logprobs.size(2)),
+        N(budget + 1), logprobs(topk_logprobs.contiguous()), ids(topk_ids.contiguous()),
+        roots(root_tokens.contiguous()), out(R, N, ids, logprobs) {}
 };
 
 }  // namespace vllm_ddtree

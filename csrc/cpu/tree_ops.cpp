@@ -21,15 +21,11 @@ at::Tensor tree_positions_cpu(const at::Tensor& seq_lens, const at::Tensor& dept
 TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
                            const at::Tensor& topk_ids, int64_t budget, bool spine,
                            at::IntArrayRef width_list) {
-  const Widths widths =
-      make_widths(width_list, topk_logprobs.dim() == 3 ? topk_logprobs.size(2) : 0);
-  check_build_args(root_tokens, topk_logprobs, topk_ids, budget, widths);
-  const int64_t R = topk_logprobs.size(0), L = topk_logprobs.size(1), K = topk_logprobs.size(2);
-  const int64_t N = budget + 1, W = (N + 31) / 32;
-  const auto lp = topk_logprobs.contiguous();
-  const auto ids = topk_ids.contiguous();
-  const auto roots = root_tokens.contiguous();
-  TreeOutputs out(R, N, ids, lp);
+  const BuildCall call(root_tokens, topk_logprobs, topk_ids, budget, width_list);
+  const int64_t R = call.R, L = call.L, K = call.K, N = call.N, W = (N + 31) / 32;
+  const Widths& widths = call.widths;
+  const at::Tensor &lp = call.logprobs, &ids = call.ids, &roots = call.roots;
+  const TreeOutputs& out = call.out;
   // Trees split across intra-op threads (setup.py builds with OpenMP, else this is serial)
   // in tasks of at least ~512 nodes, about 2 µs: smaller tasks cost more to hand out.
   const int64_t grain = std::max<int64_t>(1, 512 / N);

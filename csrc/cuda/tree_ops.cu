@@ -272,16 +272,12 @@ at::Tensor tree_positions_cuda(const at::Tensor& seq_lens, const at::Tensor& dep
 TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& topk_logprobs,
                 const at::Tensor& topk_ids, int64_t budget, bool spine,
                 at::IntArrayRef width_list) {
-  const Widths widths =
-      make_widths(width_list, topk_logprobs.dim() == 3 ? topk_logprobs.size(2) : 0);
-  check_build_args(root_tokens, topk_logprobs, topk_ids, budget, widths);
+  const BuildCall call(root_tokens, topk_logprobs, topk_ids, budget, width_list);
+  const int64_t R = call.R, L = call.L, K = call.K, N = call.N;
+  const Widths& widths = call.widths;
+  const at::Tensor &lp = call.logprobs, &ids = call.ids, &roots = call.roots;
+  const TreeOutputs& out = call.out;
   const c10::cuda::CUDAGuard guard(topk_logprobs.device());
-  const int64_t R = topk_logprobs.size(0), L = topk_logprobs.size(1), K = topk_logprobs.size(2);
-  const int64_t N = budget + 1;
-  const auto lp = topk_logprobs.contiguous();
-  const auto ids = topk_ids.contiguous();
-  const auto roots = root_tokens.contiguous();
-  TreeOutputs out(R, N, ids, lp);
   if (R > 0) {
     // Stage the log-probs where they fit the block's shared memory (opting in past the
     // default 48 KiB, as at B = 1024 and L = 16: 160 KiB of tree and work, 64 KiB of

@@ -33,6 +33,28 @@ struct TreeOutputs {
   }
 };
 
+// What verify_tree does before walking on either device: its arguments checked, its inputs
+// contiguous, its outputs (accepted node indices, their count, the emitted tokens).
+struct VerifyCall {
+  int64_t R, N, D;  // requests, nodes, the deepest path
+  at::Tensor tok, fc, ns, tgt;
+  at::Tensor accepted, num_accepted, output_tokens;
+
+  VerifyCall(const at::Tensor& token_ids, const at::Tensor& first_child,
+             const at::Tensor& next_sibling, const at::Tensor& target_tokens, int64_t max_depth)
+      : R((check_verify_args(token_ids, first_child, next_sibling, target_tokens, max_depth),
+           token_ids.size(0))),
+        N(token_ids.size(1)), D(max_depth), tok(token_ids.contiguous()),
+        fc(first_child.contiguous()), ns(next_sibling.contiguous()),
+        tgt(target_tokens.contiguous()), accepted(at::empty({R, D}, fc.options())),
+        num_accepted(at::empty({R}, fc.options())),
+        output_tokens(at::empty({R, D + 1}, tok.options())) {}
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> as_tuple() const {
+    return {accepted, num_accepted, output_tokens};
+  }
+};
+
 inline Widths checked_build_widths(const at::Tensor& root_tokens,
                                    const at::Tensor& topk_logprobs, const at::Tensor& topk_ids,
                                    int64_t budget, at::IntArrayRef width_list) {

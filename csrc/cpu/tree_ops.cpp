@@ -59,20 +59,18 @@ TreeTensors build_tree_cpu(const at::Tensor& root_tokens, const at::Tensor& topk
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(
     const at::Tensor& token_ids, const at::Tensor& first_child, const at::Tensor& next_sibling,
     const at::Tensor& target_tokens, int64_t max_depth) {
-  check_verify_args(token_ids, first_child, next_sibling, target_tokens, max_depth);
-  const int64_t R = token_ids.size(0), N = token_ids.size(1), D = max_depth;
-  const auto tok = token_ids.contiguous(), fc = first_child.contiguous();
-  const auto ns = next_sibling.contiguous(), tgt = target_tokens.contiguous();
-  auto accepted = at::empty({R, D}, fc.options());
-  auto num_accepted = at::empty({R}, fc.options());
-  auto output_tokens = at::empty({R, D + 1}, tok.options());
+  const VerifyCall call(token_ids, first_child, next_sibling, target_tokens, max_depth);
+  const int64_t R = call.R, N = call.N, D = call.D;
+  const at::Tensor &tok = call.tok, &fc = call.fc, &ns = call.ns, &tgt = call.tgt;
+  const at::Tensor &accepted = call.accepted, &num_accepted = call.num_accepted;
+  const at::Tensor& output_tokens = call.output_tokens;
   for (int64_t r = 0; r < R; ++r) {
     num_accepted.data_ptr<int32_t>()[r] = verify_one_tree(
         tok.data_ptr<int64_t>() + r * N, fc.data_ptr<int32_t>() + r * N,
         ns.data_ptr<int32_t>() + r * N, tgt.data_ptr<int64_t>() + r * N, N, D,
         accepted.data_ptr<int32_t>() + r * D, output_tokens.data_ptr<int64_t>() + r * (D + 1));
   }
-  return {accepted, num_accepted, output_tokens};
+  return call.as_tuple();
 }
 
 // Copy one slot's entry ([num_kv_heads, C] at any strides) of a 4-D cache to another slot.

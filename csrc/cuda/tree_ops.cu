@@ -273,7 +273,7 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
                 const at::Tensor& topk_ids, int64_t budget, bool spine,
                 at::IntArrayRef width_list) {
   const BuildCall call(root_tokens, topk_logprobs, topk_ids, budget, width_list);
-  const int64_t R = call.R, L = call.L, K = call.K, N = call.N;
+  const int64_t R = call.R, L = call.L, K = call.K;
   const Widths& widths = call.widths;
   const at::Tensor &lp = call.logprobs, &ids = call.ids, &roots = call.roots;
   const TreeOutputs& out = call.out;
@@ -313,14 +313,12 @@ TreeTensors build_tree_cuda(const at::Tensor& root_tokens, const at::Tensor& top
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
     const at::Tensor& token_ids, const at::Tensor& first_child, const at::Tensor& next_sibling,
     const at::Tensor& target_tokens, int64_t max_depth) {
-  check_verify_args(token_ids, first_child, next_sibling, target_tokens, max_depth);
+  const VerifyCall call(token_ids, first_child, next_sibling, target_tokens, max_depth);
+  const int64_t R = call.R, N = call.N, D = call.D;
+  const at::Tensor &tok = call.tok, &fc = call.fc, &ns = call.ns, &tgt = call.tgt;
+  const at::Tensor &accepted = call.accepted, &num_accepted = call.num_accepted;
+  const at::Tensor& output_tokens = call.output_tokens;
   const c10::cuda::CUDAGuard guard(token_ids.device());
-  const int64_t R = token_ids.size(0), N = token_ids.size(1), D = max_depth;
-  const auto tok = token_ids.contiguous(), fc = first_child.contiguous();
-  const auto ns = next_sibling.contiguous(), tgt = target_tokens.contiguous();
-  auto accepted = at::empty({R, D}, fc.options());
-  auto num_accepted = at::empty({R}, fc.options());
-  auto output_tokens = at::empty({R, D + 1}, tok.options());
   if (R > 0) {
     const bool stage = N * kVerifyBytesPerNode <= kDefaultSmemBytes;  // up to 2048 nodes
     DDTREE_LAUNCH(verify_tree_kernel, R, kThreads, stage ? N * kVerifyBytesPerNode : 0,
@@ -330,7 +328,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
         num_accepted.data_ptr<int32_t>(), output_tokens.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return {accepted, num_accepted, output_tokens};
+  return call.as_tuple();
 }
 
 void compact_tree_cuda(at::TensorList kv_caches, const at::Tensor& hidden_states,

@@ -277,14 +277,9 @@ print("native ok")
 """
 
 
-@pytest.fixture(scope="session")
-def stub_libcuda(staged: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A libcuda.so.1 defining the driver functions the compiled libraries link to (each
+def build_stub_libcuda(libs: list[Path], out: Path) -> Path:
+    """In ``out``, a libcuda.so.1 defining the driver functions ``libs`` link to (each
     returns an error): they load, nothing of them runs."""
-    out = tmp_path_factory.mktemp("libcuda")
-    site = Path(staged["SITE"])
-    libs = [site / "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
-            *site.glob("vllm/_C_stable_libtorch.abi3.so*")]
     names = set()
     for lib in libs:
         listed = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], check=True,
@@ -295,6 +290,15 @@ def stub_libcuda(staged: dict[str, str], tmp_path_factory: pytest.TempPathFactor
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out / "libcuda.so.1"),
                     str(out / "stub.c")], check=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def stub_libcuda(staged: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A stub libcuda for the staged compiled libraries (build_stub_libcuda)."""
+    site = Path(staged["SITE"])
+    return build_stub_libcuda([site / "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+                               *site.glob("vllm/_C_stable_libtorch.abi3.so*")],
+                              tmp_path_factory.mktemp("libcuda"))
 
 
 def test_the_standin_takes_the_compiled_ops_place_and_covers_cuda_imports(
@@ -357,17 +361,8 @@ def test_vllm_034s_compiled_files_load_on_the_machines_torch(
         undefined = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], check=True,
                                    capture_output=True, text=True).stdout.split()
         assert not [s for s in undefined if s.startswith(("_ZN2at", "_ZN3c10", "_ZN5torch"))]
-    stub = tmp_path / "libcuda"
-    stub.mkdir()
-    names = set()
-    for lib in compiled:
-        listed = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], check=True,
-                                capture_output=True, text=True).stdout
-        names |= {w.split("@")[0] for w in listed.split() if w.startswith("cu")}
-    (stub / "stub.c").write_text("".join(f"int {n}(void) {{ return 999; }}\n"
-                                         for n in sorted(names)))
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(stub / "libcuda.so.1"),
-                    str(stub / "stub.c")], check=True)
+    (tmp_path / "libcuda").mkdir()
+    stub = build_stub_libcuda(compiled, tmp_path / "libcuda")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",
                                                              "VLLM_TARGET_DEVICE")}
     env |= {"PYTHONPATH": str(site), "LD_LIBRARY_PATH": str(stub)}

@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from patch_cases import HEADER
 
 from vllm_ddtree.cli import main as cli
 from vllm_ddtree.patching import (
@@ -18,15 +19,6 @@ from vllm_ddtree.patching import (
     series_status,
 )
 from vllm_ddtree.patching.installer import APPLIED, MODIFIED, NOT_APPLIED, STALE
-
-HEADER = """From: test <test@example.com>
-Subject: [PATCH] {subject}
-
-Why: a test needs it
-Upstream-Status: not upstreamable: test
-Drop-When: never
----
-"""
 
 ORIGINAL = {
     "vllm/_version.py": "__version__ = version = '0.32.0'\n",

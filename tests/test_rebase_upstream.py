@@ -8,16 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from patch_cases import HEADER
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts/rebase_upstream.py"
-HEADER = """From: test <test@example.com>
-Subject: [PATCH] {subject}
-
-Why: a test needs it
-Upstream-Status: not upstreamable: test
-Drop-When: never
----
-"""
 OLD = {"vllm/a.py": "".join(f"line {i}\n" for i in range(1, 21)), "vllm/b.py": "x = 1\ny = 2\n"}
 PATCH_A = HEADER.format(subject="change a") + """diff --git a/vllm/a.py b/vllm/a.py
 --- a/vllm/a.py

@@ -98,43 +98,67 @@ def layer_weights(prefix: str, shape: dict, gen: torch.Generator) -> dict[str, t
     }
 
 
-def make(out: Path, seed: int = 0) -> None:
+def make(out: Path, seed: int = 0, vocab_size: int | None = None, layers: int | None = None,
+         hidden_size: int | None = None) -> None:
+    """The random pair; ``vocab_size`` (at least the tokenizer's 1,000 tokens; e.g. Qwen3's
+    151,936, for memory measurements: ids past the tokenizer's are padding), ``layers`` and
+    ``hidden_size`` (the MLP twice as wide) change the target's shape from TARGET."""
     gen = torch.Generator().manual_seed(seed)
     target, drafter = out / "target", out / "drafter"
     target.mkdir(parents=True, exist_ok=True)
     drafter.mkdir(parents=True, exist_ok=True)
     tok_vocab = train_tokenizer(target, vocab_size=1000)
     vocab = (tok_vocab + 63) // 64 * 64  # padded, as real checkpoints are
+    if vocab_size is not None:
+        if vocab_size < tok_vocab:
+            raise ValueError(f"--vocab-size {vocab_size}: the tokenizer has {tok_vocab} tokens")
+        vocab = vocab_size
+    shape = dict(TARGET)
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    if hidden_size is not None:
+        shape |= dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size)
     tok = json.loads((target / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
     eos, mask = ids["<|im_end|>"], ids["<|mask|>"]
 
-    h = TARGET["hidden_size"]
+    h = shape["hidden_size"]
     weights = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=gen) * 0.5,
                "model.norm.weight": torch.ones(h),
                "lm_head.weight": torch.randn(vocab, h, generator=gen) * 0.1}
-    for n in range(TARGET["num_hidden_layers"]):
-        weights |= layer_weights(f"model.layers.{n}", TARGET, gen)
+    for n in range(shape["num_hidden_layers"]):
+        weights |= layer_weights(f"model.layers.{n}", shape, gen)
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    (target / "config.json").write_text(json.dumps(qwen3_config(TARGET, vocab, eos), indent=2))
+    (target / "config.json").write_text(json.dumps(qwen3_config(shape, vocab, eos), indent=2))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
 
-    write_drafter(drafter, TARGET, vocab, eos, mask, gen)
+    write_drafter(drafter, shape, vocab, eos, mask, gen)
+
+
+def target_layer_ids(target: dict) -> list[int]:
+    """The target layers whose hidden states the drafter reads: TARGET_LAYER_IDS, or for a
+    target of fewer layers the first and the middle one."""
+    n = target["num_hidden_layers"]
+    return TARGET_LAYER_IDS if max(TARGET_LAYER_IDS) < n else [0, n // 2]
 
 
 def write_drafter(drafter: Path, target: dict, vocab: int, eos: int, mask: int,
                   gen: torch.Generator, **extra) -> None:
-    """A random DFlash drafter for a target of shape ``target`` (its vocabulary)."""
-    h, dh = target["hidden_size"], DRAFTER["hidden_size"]
-    weights = {"fc.weight": torch.randn(dh, h * len(TARGET_LAYER_IDS), generator=gen) * 0.05,
-               "hidden_norm.weight": torch.ones(h), "norm.weight": torch.ones(dh)}
-    for n in range(DRAFTER["num_hidden_layers"]):
-        weights |= layer_weights(f"layers.{n}", DRAFTER, gen)
+    """A random DFlash drafter for a target of shape ``target`` (its vocabulary; its hidden
+    size, which vLLM's DFlash takes for the drafter's own)."""
+    h = target["hidden_size"]
+    shape = DRAFTER if h == DRAFTER["hidden_size"] else DRAFTER | dict(
+        hidden_size=h, intermediate_size=2 * h)
+    layer_ids = target_layer_ids(target)
+    weights = {"fc.weight": torch.randn(h, h * len(layer_ids), generator=gen) * 0.05,
+               "hidden_norm.weight": torch.ones(h), "norm.weight": torch.ones(h)}
+    for n in range(shape["num_hidden_layers"]):
+        weights |= layer_weights(f"layers.{n}", shape, gen)
     save_file(weights, drafter / "model.safetensors", metadata={"format": "pt"})
     config = qwen3_config(
-        DRAFTER, vocab, eos, architectures=["DFlashDraftModel"], block_size=BLOCK_SIZE,
+        shape, vocab, eos, architectures=["DFlashDraftModel"], block_size=BLOCK_SIZE,
         num_target_layers=target["num_hidden_layers"],
-        dflash_config={"mask_token_id": mask, "target_layer_ids": TARGET_LAYER_IDS}, **extra)
+        dflash_config={"mask_token_id": mask, "target_layer_ids": layer_ids}, **extra)
     (drafter / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -426,11 +450,20 @@ def main() -> None:
                         "Qwen3-Next (the default) or the same model as a Qwen3.5 text model")
     parser.add_argument("--key-heads", type=int, default=1, choices=(1, 2),
                         help="GDN key heads of the hybrid (2: it shards over two ranks)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="the random pair's vocabulary (e.g. 151936, Qwen3's): ids past "
+                        "the tokenizer's 1,000 are padding")
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"the random target's layers ({TARGET['num_hidden_layers']})")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help=f"the random target's hidden size ({TARGET['hidden_size']})")
     args = parser.parse_args()
     if args.hybrid:
+        if (args.vocab_size, args.layers, args.hidden_size) != (None, None, None):
+            parser.error("--vocab-size, --layers, --hidden-size: the random pair's only")
         make_hybrid(args.out, args.seed, args.hybrid, args.key_heads)
     else:
-        make(args.out, args.seed)
+        make(args.out, args.seed, args.vocab_size, args.layers, args.hidden_size)
     print(f"wrote {args.out / 'target'} and {args.out / 'drafter'}")
 
 

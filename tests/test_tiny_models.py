@@ -53,3 +53,19 @@ def test_tokenizer_round_trips_and_has_a_chat_template(tiny_models: Path) -> Non
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                      add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_the_random_pair_takes_a_vocabulary_and_a_shape(tmp_path: Path) -> None:
+    """--vocab-size (Qwen3's: ids past the tokenizer's are padding), --layers, --hidden-size:
+    the drafter shares the target's hidden size and reads layers the target has."""
+    make_tiny_models.make(tmp_path, seed=0, vocab_size=151_936, layers=2, hidden_size=64)
+    target = json.loads((tmp_path / "target/config.json").read_text())
+    drafter = json.loads((tmp_path / "drafter/config.json").read_text())
+    assert (target["vocab_size"], target["num_hidden_layers"], target["hidden_size"]) == (
+        151_936, 2, 64)
+    assert (drafter["vocab_size"], drafter["hidden_size"]) == (151_936, 64)
+    assert drafter["dflash_config"]["target_layer_ids"] == [0, 1]
+    with safe_open(tmp_path / "target/model.safetensors", "pt") as f:
+        assert f.get_slice("lm_head.weight").get_shape() == [151_936, 64]
+    with safe_open(tmp_path / "drafter/model.safetensors", "pt") as f:
+        assert f.get_slice("fc.weight").get_shape() == [64, 128]

@@ -311,8 +311,9 @@ def test_tensor_parallel_2_is_lossless_and_the_ranks_agree(executor: str) -> Non
 
 # The port's code that runs inside the decode step (on a GPU: inside or between graphs).
 STEP_FILES = ("spec_decode/speculator.py", "spec_decode/verifier.py",
-              "spec_decode/model_state.py", "spec_decode/compaction.py", "synthetic.py",
-              "ops.py", "tree.py", "attention/tree_batch.py")
+              "spec_decode/model_state.py", "spec_decode/compaction.py",
+              "spec_decode/node_sampling.py", "synthetic.py", "ops.py", "tree.py",
+              "attention/tree_batch.py")
 
 
 @pytest.mark.slow

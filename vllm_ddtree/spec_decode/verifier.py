@@ -31,6 +31,7 @@ import torch
 from vllm_ddtree import ops
 from vllm_ddtree.attention.tree_batch import hand_to_builders
 from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, gdn_layers
+from vllm_ddtree.spec_decode import node_sampling
 from vllm_ddtree.spec_decode.compaction import target_kv_compactions
 from vllm_ddtree.synthetic import SyntheticAcceptance
 
@@ -154,12 +155,16 @@ class TreeVerifier:
         ids = input_batch.input_ids[step.rows]
         # vLLM's processing counts the drafts before a row as its history: right for a
         # chain; a tree's node is processed on the committed history alone, which is
-        # exact for the processing a tree request may have (TreeStore.chain_only).
+        # exact for the processing a tree request may have (TreeStore.chain_only). A
+        # chain's rows past its depth are never accepted: no history, so that chunks of
+        # rows (node_sampling) keep only a chain's first depth + 1 together.
         local = input_batch.expanded_local_pos
-        choice, _ = sampler.sample(
-            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
-            input_batch.idx_mapping_np, input_batch.positions[step.rows], ids,
-            torch.where(step.chain_rows, local, 0), _host_seq_lens(input_batch))
+        choice = node_sampling.sample_nodes(
+            sampler, logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
+            input_batch.idx_mapping_np, input_batch.cu_num_logits_np,
+            input_batch.positions[step.rows], ids,
+            torch.where(step.chain_rows & (local <= self.max_depth), local, 0),
+            _host_seq_lens(input_batch), head=self.max_depth + 1)
         # Per request, its nodes in order (root first); -1 past a request's nodes.
         cu = input_batch.cu_num_logits.long()
         at = cu[:-1, None] + self._node
@@ -218,8 +223,6 @@ class TreeVerifier:
         """Logprobs of the emitted tokens, laid out as V2's rejection sampler lays them
         (row cu[r] + j: request r's token j): token j was chosen at its path's node j - 1
         (the root for j = 0), so its row is that node's logits row."""
-        from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
-
         sampler = self.sampler
         dims = sampler.get_logprobs_dims(input_batch.idx_mapping_np)
         if dims is None:
@@ -236,11 +239,9 @@ class TreeVerifier:
         order = torch.arange(L + 1, device=dev).scatter_(0, dst, src)[:L]
         flat = torch.zeros(L + 1, dtype=torch.int64, device=dev).scatter_(
             0, dst, verdict.output_tokens.flatten().clamp(min=0))[:L]
-        return compute_topk_scores(
-            logits[order], num_logprobs, flat, input_batch.cu_num_logits_np.tolist(),
-            logprob_token_ids_state=sampler.logprob_token_ids_state,
-            expanded_idx_mapping=input_batch.expanded_idx_mapping,
-            max_per_req_token_ids=max_token_ids,
+        return node_sampling.topk_scores(
+            logits, order, flat, num_logprobs, input_batch.cu_num_logits_np.tolist(),
+            input_batch.expanded_idx_mapping, sampler, max_token_ids,
             logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"))
 
     def _compact_kv(self, step: TreeStep) -> None:

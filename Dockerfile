@@ -2,7 +2,7 @@
 #   docker build -t vllm-ddtree .
 #   docker run --gpus all -p 8000:8000 vllm-ddtree <target> \
 #     --speculative-config '{"method": "ddtree", "model": "<DFlash drafter>", "tree_budget": 64}'
-# VLLM_VERSION must equal patches/upstream-version (tests/test_dockerfile.py checks it).
+# VLLM_VERSION must equal patches/upstream-version (tests/tools/test_dockerfile.py checks it).
 ARG VLLM_VERSION=0.34.0
 FROM vllm/vllm-openai:v${VLLM_VERSION}
 

@@ -1,7 +1,7 @@
 """Pure-PyTorch stand-ins for the ``torch.ops._C`` ops that vLLM's dense Qwen3 target and
 DFlash drafter need, and the engine settings that keep vLLM on its native paths around them
 (schemas checked against vLLM 0.32's CUDA library; what vLLM 0.34's CUDA path dereferences at
-import is covered too: tests/test_gpu_bundle_env.py).
+import is covered too: tests/tools/test_gpu_bundle_env.py).
 
 For the lent GPU machine only, and there only when the official wheel's compiled
 ``vllm/_C_stable_libtorch.abi3.so`` fails to load or to run: when it works it is the real

@@ -22,7 +22,7 @@ build_ops() {  # the native ops (vllm_ddtree._C) with extra compiler flags
 }
 run_emulated() {  # the emulated kernels' tests, built with $1, under the runtime in $2
   DDTREE_EMULATOR_CFLAGS="$1" LD_PRELOAD="$2" \
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_emulated.py "${@:3}"
+    "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_cuda_emulated.py "${@:3}"
 }
 
 # libstdc++ is preloaded too, or ASan cannot intercept the exceptions of TORCH_CHECK.
@@ -31,8 +31,8 @@ ASAN_RUNTIME="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc+
 echo "== AddressSanitizer: CPU ops, CUDA kernels on the emulator"
 build_ops "-fsanitize=address -fno-omit-frame-pointer -D_GLIBCXX_ASSERTIONS -O1" \
   "-fsanitize=address"
-LD_PRELOAD="$ASAN_RUNTIME" "$PY" -m pytest -q -p no:cacheprovider tests/test_tree_build.py \
-  tests/test_tree_verify.py tests/test_tree_compact.py tests/test_native_ops.py \
+LD_PRELOAD="$ASAN_RUNTIME" "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_tree_build.py \
+  tests/ops/test_tree_verify.py tests/ops/test_tree_compact.py tests/ops/test_native_ops.py \
   -k "not nvcc and not entry_point" "$@"
 run_emulated "-fsanitize=address -fno-omit-frame-pointer" "$ASAN_RUNTIME" "$@"
 

@@ -26,7 +26,7 @@ carry them.
   scripts/gpu_bundle.py --vllm 0.34.0   # another release whose compiled files were checked
 
 vLLM 0.34.0's compiled files load the same way (_C_stable_libtorch and FA3 link no torch
-symbol outside the stable ABI; tests/test_gpu_bundle_env.py loads them on torch 2.11 with a
+symbol outside the stable ABI; tests/tools/test_gpu_bundle_env.py loads them on torch 2.11 with a
 stub libcuda and builds a dflash config for Hopper); what needs the GPU (its kernels, CUDA
 graphs) is the GPU run's.
 """

@@ -64,7 +64,7 @@ fi
 # Test, lint and plotting tools (skipped when present; not in the image). ninja builds the
 # emulated CUDA ops (tests/cuda_emulator) through torch's cpp_extension.load; pytest-xdist
 # runs the suite on every core (scripts/test.sh); ray runs vLLM's Ray executor
-# (tests/v034/test_ray.py; the vLLM image has its own).
+# (tests/engine/test_ray.py; the vLLM image has its own).
 if [ "$IMAGE" = 0 ]; then
   { "$PY" -c 'import pytest, xdist, hypothesis, ruff, matplotlib, ninja, ray' 2>/dev/null \
       && [ -x "$BIN/hadolint" ]; } \

@@ -21,7 +21,7 @@ OUT/target and OUT/drafter are written in the formats vLLM loads (the z-lab form
 drafter, as make_tiny_models.py writes it). Deterministic from --seed on a given machine;
 OUT/train/*.pt hold the last checkpoint of each stage, so a rerun continues where the last
 one stopped. The model code here is the training side of the pair; the test
-tests/test_train_tiny_pair.py checks it against vLLM's Qwen3 and DFlashQwen3ForCausalLM.
+tests/tools/test_train_tiny_pair.py checks it against vLLM's Qwen3 and DFlashQwen3ForCausalLM.
 """
 
 from __future__ import annotations

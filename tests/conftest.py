@@ -7,9 +7,12 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-# The scripts' modules, and gpu_machine/ (tooling for the GPU machine, not in the package).
-sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+# The tests' shared helpers (tests/*.py: used by several folders of tests, each folder by
+# part: ops, attention, recurrent, engine, tools, standin, cuda), the scripts' modules, and
+# gpu_machine/ (tooling for the GPU machine, not in the package).
+sys.path[:0] = [str(TESTS), str(REPO / "scripts"), str(REPO)]
 
 
 def _share_the_cores_between_workers() -> None:

@@ -404,7 +404,7 @@ def check_cpu_attention(root: Path | None) -> Check:
         return Check(name, OK, f"CPU_ATTN's ISA {chosen} (no AMX on this CPU)")
     if info["isa"]["bf16"] == "amx" and not info["permission"]:
         return Check(name, FAIL, f"CPU_ATTN's ISA {chosen}, without Linux's AMX permission: "
-                     "bf16 attention would die with SIGILL (patch 0017 is not in effect)",
+                     "bf16 attention would die with SIGILL (patch 0010 is not in effect)",
                      APPLY)
     if info["isa"]["bf16"] != "amx":
         return Check(name, WARN, f"CPU_ATTN's ISA {chosen}: the CPU has AMX but Linux refused "

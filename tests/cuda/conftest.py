@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The shared helpers (tests/*.py), and the CPU suite's cases these tests run on the GPU
+# (tests/ops/test_tree_*.py, tests/attention/test_tree_attention.py).
+TESTS = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(TESTS), str(TESTS / "ops"), str(TESTS / "attention")]
 
 
 @pytest.fixture(autouse=True)

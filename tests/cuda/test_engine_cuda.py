@@ -29,7 +29,7 @@ from bench_gpu_throughput import engine_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
 PAIR = REPO / "models" / "tiny-pair"
-# tests/v034/test_ddtree.py's prompts (trees accepted 3+ deep and off the spine there), and
+# tests/engine/test_ddtree.py's prompts (trees accepted 3+ deep and off the spine there), and
 # two more for a verify step of 8 requests.
 PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", "x = [1, 2,",
            "for i in range(10):", "The capital of France is", "def main():",

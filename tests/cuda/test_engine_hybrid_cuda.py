@@ -5,7 +5,7 @@ and greedy output is the target alone's, token for token, with trees accepted de
 the chain (the oracle drafter of tests/engine_helpers.py). On CUDA a hybrid target runs
 without CUDA graphs (verify_vllm_config sets cudagraph_mode NONE: the GDN tree path reads
 the step's trees on the host), torch.compile on. The tiny hand-built Qwen3-Next and the same
-model as a Qwen3.5 (M-RoPE), bf16 (tests/test_tiny_hybrid.py measures their margins)."""
+model as a Qwen3.5 (M-RoPE), bf16 (tests/tools/test_tiny_hybrid.py measures their margins)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from engine_helpers import language_model_only, oracle_tree_logits
 from test_engine_cuda import greedy, make_llm, runner_of, tokens_of
 
-# tests/v034/test_ddtree_hybrid.py's prompts.
+# tests/engine/test_ddtree_hybrid.py's prompts.
 PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(8)]
 MAX_TOKENS = 20
 

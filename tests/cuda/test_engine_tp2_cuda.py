@@ -4,7 +4,7 @@ trained tiny pair's target and drafter sharded over two ranks (worker processes,
 the plugin by entry point), greedy output equals the target alone's under the same
 parallelism, so every rank built, verified and compacted the same trees; and greedy or
 sampling, both ranks take the same verdict (accepted path, emitted tokens) at every verify
-step. The GPU counterpart of tests/v034/test_ddtree.py's
+step. The GPU counterpart of tests/engine/test_ddtree.py's
 test_tensor_parallel_2_is_lossless_and_the_ranks_agree, whose folder runs only in the CPU
 stand-in."""
 

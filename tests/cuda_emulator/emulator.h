@@ -1,5 +1,5 @@
 // A CPU stand-in for the CUDA runtime, just enough to run csrc/cuda/tree_ops.cu's kernels
-// and launch code unchanged on a machine without a GPU (tests/test_cuda_emulated.py). Each
+// and launch code unchanged on a machine without a GPU (tests/ops/test_cuda_emulated.py). Each
 // thread of a block is a std::thread; __syncthreads() is a barrier, which the block's
 // threads must reach from one place (a divergent one is reported); a block's dynamic
 // shared memory is a fresh buffer of exactly the launch's size, filled with junk (CUDA does

@@ -28,6 +28,14 @@ class TreeBatch:
         # may pick.
         self.warm_up: tuple[int, int] | None = None
 
+    @classmethod
+    def over(cls, ancestor_mask: torch.Tensor, depths: torch.Tensor) -> TreeBatch:
+        """A batch that reads the trees stored in these tensors ([slots, nodes, words] and
+        [slots, nodes]: the speculator's TreeStore), by slot."""
+        batch = cls(ancestor_mask.shape[0], 0, ancestor_mask.device)
+        batch.ancestor_mask, batch.depths = ancestor_mask, depths
+        return batch
+
     def set_trees(self, tree_index: torch.Tensor, ancestor_mask: torch.Tensor,
                   depths: torch.Tensor) -> None:
         """In place: row r of the batch uses tree ``tree_index[r]`` (-1: none)."""

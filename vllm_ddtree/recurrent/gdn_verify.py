@@ -127,7 +127,7 @@ class GDNTreeVerify:
                      a: torch.Tensor, conv_buf: torch.Tensor, ssm_state: torch.Tensor,
                      width: int, state_len: int) -> torch.Tensor:
         """The spec rows' core output ``[T, Hv, V]`` over their trees (the arguments of
-        vLLM's CPU _spec_forward; from the CUDA path, patch 0015, the same values)."""
+        vLLM's CPU _spec_forward; from the CUDA path, patch 0008, the same values)."""
         assert self.parents is not None, "spec_forward outside a ddtree verify step"
         S = md.num_spec_decodes
         f = self._forest(md, x.shape[0], x.device)

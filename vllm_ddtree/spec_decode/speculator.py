@@ -5,8 +5,8 @@ token and mask tokens) in one forward and samples one token per mask position. H
 drafter drafts ``tree_depth`` positions, and ``_generate_draft`` (inside DFlash's captured
 FULL graph when graphs are on) turns their logits into a tree of ``tree_budget`` nodes per
 request on the device: the nodes' tokens are the drafts V2 hands the scheduler
-(``[num_reqs, tree_budget]``), and the trees' links stay here, by request-state slot, for
-the next step's verification (``TreeStore``).
+(``[num_reqs, tree_budget]``), and the trees' links stay in a ``TreeStore``, by request-state
+slot, for the next step's verification.
 
 Before drafting, the accepted path's hidden states are compacted to the first rows of each
 request's verify span (``propose``), so that DFlash's context rows (a request's first
@@ -23,9 +23,9 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention.features import refuse_quantized_kv_cache
-from vllm_ddtree.attention.tree_batch import TreeBatch
 from vllm_ddtree.spec_decode.model_state import install_model_state
 from vllm_ddtree.spec_decode.options import tree_options, tree_widths
+from vllm_ddtree.spec_decode.tree_store import TreeStore
 from vllm_ddtree.spec_decode.verifier import TreeVerifier
 
 
@@ -41,55 +41,6 @@ def _tree_attention_on_cpu() -> None:
 
     register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_PATH)
     _cached_get_attn_backend.cache_clear()
-
-
-class TreeStore:
-    """The trees drafted last, by request-state slot (row ``max_num_reqs`` takes padded
-    rows): their links for the walk, and, in the ``TreeBatch`` TREE_ATTN reads, their
-    ancestor masks and depths.
-
-    Requests whose logits processing reads the drafts before a row as that row's history
-    (penalties, bad words, a thinking budget: vLLM's kernels count the rows before it) or
-    whose grammar masks the scheduler builds along the drafts in order (structured output)
-    draft the drafter's greedy chain instead, in their first ``depth`` nodes, and are
-    verified as a chain: causal attention, chain positions, vLLM's own processing
-    (``chain_only``, set per request; ``chain``, how the stored drafts were built)."""
-
-    def __init__(self, max_num_reqs: int, budget: int, depth: int,
-                 device: torch.device) -> None:
-        rows, nodes = max_num_reqs + 1, budget + 1
-        self.padding_slot = max_num_reqs
-        self.attention = TreeBatch(rows, budget, device)
-        self.first_child = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
-        self.next_sibling = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
-        self.parents = torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
-        self.chain_only = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.chain = torch.zeros(rows, dtype=torch.bool, device=device)
-        node = torch.arange(nodes, dtype=torch.int32, device=device)
-        self._chain_depths, self._chain_parents = node, node - 1
-        self._chain_child = torch.where(node < depth, node + 1, -1).to(torch.int32)
-        self.depth = depth
-
-    @property
-    def depths(self) -> torch.Tensor:
-        return self.attention.depths
-
-    def write(self, slots: torch.Tensor, trees: ops.DraftTrees,
-              greedy: torch.Tensor) -> torch.Tensor:
-        """Stores the trees (``greedy``: the drafter's argmax per depth, [R, depth]) and
-        returns the drafts, [R, budget]: the trees' nodes, or the greedy chain."""
-        slots = torch.where(slots < 0, self.padding_slot, slots)
-        chain = self.chain_only[slots]
-        rows = chain[:, None]
-        drafts = trees.token_ids[:, 1:].clone()
-        drafts[:, :self.depth] = torch.where(rows, greedy, drafts[:, :self.depth])
-        self.first_child[slots] = torch.where(rows, self._chain_child, trees.first_child)
-        self.next_sibling[slots] = torch.where(rows, -1, trees.next_sibling)
-        self.parents[slots] = torch.where(rows, self._chain_parents, trees.parents)
-        self.attention.depths[slots] = torch.where(rows, self._chain_depths, trees.depths)
-        self.attention.ancestor_mask[slots] = trees.ancestor_mask
-        self.chain[slots] = chain
-        return drafts
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -113,7 +64,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_col = self.sample_col.view(self.max_num_reqs, -1)[:, :self.depth].flatten()
         # draft_tokens stays [max_num_reqs, tree_budget]: the trees' nodes below the root.
         self.trees = TreeStore(self.max_num_reqs, self.budget, self.depth, device)
-        self.verifier = TreeVerifier(self.trees, self.budget, self.depth)
+        self.verifier = TreeVerifier(self.trees, self.budget, self.depth,
+                                     vllm_config.speculative_config)
         if device.type == "cpu":
             _tree_attention_on_cpu()
 
@@ -157,6 +109,6 @@ class DDTreeSpeculator(DFlashSpeculator):
                 slot_mappings: dict[str, torch.Tensor], last_hidden_states: torch.Tensor,
                 aux_hidden_states: list[torch.Tensor] | None, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
-        self.verifier.compact_hidden_states([last_hidden_states, *(aux_hidden_states or [])])
+        self.verifier.commit_hidden_states([last_hidden_states, *(aux_hidden_states or [])])
         return super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                                aux_hidden_states, *args, **kwargs)

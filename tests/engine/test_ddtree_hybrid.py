@@ -1,0 +1,311 @@
+"""Method "ddtree" on V2 with hybrid targets (Gated DeltaNet + full attention): a tiny
+Qwen3-Next (scripts/make_tiny_models.py --hybrid), the same model as a Qwen3.5 (M-RoPE) and
+as a text-only Qwen3.5. Every tree node's recurrent layers run over its own path
+(patch 0005's hook, vllm_ddtree/recurrent/), the accepted path is committed into the
+state slot the next step reads, and greedy output is the target's own, token for token,
+with trees accepted deep and off the chain (an oracle drafter: test_ddtree_targets.py). The
+CPU GDN path runs in bf16 only; the tiny target's greedy margins are far above bf16 noise
+(tests/tools/test_tiny_hybrid.py measures them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import language_model_only, oracle_tree_logits
+from engine_runs import run_with_aborts, tree_stats
+
+PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(8)]
+MAX_TOKENS = 20
+
+
+def tree_spec(pair: Path, budget: int, **options: object) -> dict:
+    return {"method": "ddtree", "model": str(pair / "drafter"), "tree_budget": budget,
+            **options}
+
+
+def generate(pair: Path, spec: dict | None, max_num_seqs: int = 8,
+             max_tokens: int = MAX_TOKENS, prompts: list[str] = PROMPTS, **engine):
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    # Qwen3-Next's experts need their own parallel group, which an engine of another model
+    # started earlier in this process did not make.
+    cleanup_dist_env_and_memory()
+    settings = dict(enforce_eager=True, max_model_len=512, seed=0, dtype="bfloat16",
+                    max_num_seqs=max_num_seqs, disable_log_stats=False,
+                    enable_prefix_caching=False, speculative_config=spec,
+                    **language_model_only(pair))
+    llm = LLM(model=str(pair / "target"), **(settings | engine))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return {o.prompt: list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, params, use_tqdm=False)}, llm
+
+
+@pytest.fixture(scope="module")
+def hybrid_baselines(tiny_hybrid: Path, tiny_qwen3_5: Path, tiny_qwen3_5_text: Path):
+    """By architecture: the pair, the target alone's greedy output (16 tokens of look-ahead
+    for the oracle drafter) by prompt, and by prompt token ids."""
+    pairs = {"qwen3_next": tiny_hybrid, "qwen3_5": tiny_qwen3_5,
+             "qwen3_5_text": tiny_qwen3_5_text}
+    cache = {}
+
+    def baseline(arch: str) -> tuple[Path, dict[str, list], dict[tuple, list]]:
+        if arch not in cache:
+            alone, llm = generate(pairs[arch], None, max_tokens=MAX_TOKENS + 16)
+            tokenizer = llm.get_tokenizer()
+            cache[arch] = alone, {tuple(tokenizer.encode(p)): alone[p] for p in PROMPTS}
+        return pairs[arch], *cache[arch]
+    return baseline
+
+
+def with_oracle(monkeypatch: pytest.MonkeyPatch, truth: dict[tuple, list], seed: int) -> None:
+    from vllm_ddtree.spec_decode.speculator import DDTreeSpeculator
+
+    monkeypatch.setattr(DDTreeSpeculator, "draft_logits_at", oracle_tree_logits(truth, seed))
+
+
+def verifier(llm):
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    return runner.speculator.verifier
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "budget", "spine", "max_num_seqs"), [
+    ("qwen3_next", 16, True, 8), ("qwen3_next", 4, True, 1), ("qwen3_next", 64, False, 8),
+    ("qwen3_5", 16, True, 8), ("qwen3_5_text", 16, True, 8)])
+def test_greedy_is_lossless_with_deep_trees(hybrid_baselines, monkeypatch, arch: str,
+                                            budget: int, spine: bool, max_num_seqs: int
+                                            ) -> None:
+    """Qwen3-Next, Qwen3.5 (M-RoPE: tree positions on every axis) and text-only Qwen3.5."""
+    pair, baseline, truth = hybrid_baselines(arch)
+    with_oracle(monkeypatch, truth, seed=budget)
+    got, llm = generate(pair, tree_spec(pair, budget, tree_spine=spine),
+                        max_num_seqs=max_num_seqs)
+    assert got == {p: t[:MAX_TOKENS] for p, t in baseline.items()}
+    gdn = verifier(llm).gdn
+    assert gdn is not None and gdn.commits > 0 and gdn.stash == []  # verified, committed
+    stats = tree_stats(llm)
+    assert stats["longest_accepted"] >= 3, stats
+    if spine and budget > 4:
+        assert stats["paths_off_the_index_line"] > 0, stats
+
+
+def assert_mostly_wrong(pair: Path, baseline: dict[str, list]) -> None:
+    """A control's check: ddtree at budget 16 misses the target's output for at least half
+    the prompts."""
+    got, _ = generate(pair, tree_spec(pair, 16))
+    wrong = [p for p in PROMPTS if got[p] != baseline[p][:MAX_TOKENS]]
+    assert len(wrong) >= len(PROMPTS) // 2, wrong
+
+
+@pytest.mark.slow
+def test_the_tree_path_is_what_keeps_it_lossless(hybrid_baselines, monkeypatch) -> None:
+    """The control: with the GDN layers verifying each request's rows as one chain (in node
+    order, as vLLM's spec path would), the same trees give another output: the tiny
+    target's choices depend on its recurrent state."""
+    from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify
+
+    pair, baseline, truth = hybrid_baselines("qwen3_next")
+    with_oracle(monkeypatch, truth, seed=16)
+    begin_step = GDNTreeVerify.begin_step
+
+    def as_chains(self, parents):
+        if parents is not None:
+            node = torch.arange(parents.shape[1], device=parents.device)
+            parents = (node - 1).expand_as(parents).to(parents.dtype)
+        begin_step(self, parents)
+
+    monkeypatch.setattr(GDNTreeVerify, "begin_step", as_chains)
+    assert_mostly_wrong(pair, baseline)
+
+
+@pytest.mark.slow
+def test_m_rope_tree_positions_are_what_keep_qwen3_5_lossless(hybrid_baselines,
+                                                              monkeypatch) -> None:
+    """The control: without tree positions on the M-RoPE axes (the 1-D positions, which the
+    Qwen3.5 forward does not read, still get them), attention sees chain positions at tree
+    nodes and the output is not the target's."""
+    from vllm_ddtree.spec_decode.verifier import TreeVerifier
+
+    pair, baseline, truth = hybrid_baselines("qwen3_5")
+    with_oracle(monkeypatch, truth, seed=16)
+    monkeypatch.setattr(TreeVerifier, "shift_rope_positions", lambda self, positions: None)
+    assert_mostly_wrong(pair, baseline)
+
+
+def test_prefix_caching_is_refused_on_hybrids(tiny_hybrid: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="enable_prefix_caching: method 'ddtree' on a target "
+                                         "with recurrent layers"):
+        EngineArgs(model=str(tiny_hybrid / "target"), max_model_len=512, dtype="bfloat16",
+                   enable_prefix_caching=True,
+                   speculative_config=tree_spec(tiny_hybrid, 4)).create_engine_config()
+
+
+@pytest.mark.slow
+def test_chunked_prefill_preemption_and_aborts_stay_lossless(hybrid_baselines, monkeypatch
+                                                             ) -> None:
+    """Prompts prefilled in chunks beside verify steps (max_num_batched_tokens 40), requests
+    aborted between verify steps (their state slots freed and reused by a later batch): the
+    others stay the target's own."""
+    from vllm import SamplingParams
+
+    pair, baseline, truth = hybrid_baselines("qwen3_next")
+    with_oracle(monkeypatch, truth, seed=4)
+    _, llm = generate(pair, tree_spec(pair, 12), prompts=PROMPTS[:1], max_tokens=1,
+                      max_num_batched_tokens=40)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    kept = run_with_aborts(llm, PROMPTS[:6], params, ["r1", "r4"])
+    assert len(kept) == 4
+    assert all(tokens == baseline[prompt][:MAX_TOKENS] for prompt, tokens in kept.values())
+    outputs = llm.generate(PROMPTS[6:], params, use_tqdm=False)
+    assert {o.prompt: list(o.outputs[0].token_ids) for o in outputs} == {
+        p: baseline[p][:MAX_TOKENS] for p in PROMPTS[6:]}
+    assert tree_stats(llm)["longest_accepted"] >= 3
+
+
+@pytest.mark.slow
+def test_the_stash_is_what_stash_bytes_counts(tiny_hybrid: Path, monkeypatch) -> None:
+    """The start-up check's size of the stash (config.stash_bytes) is what a verify step
+    keeps: each GDN layer's stashed tensors hold stash_bytes_per_row bytes per verify row,
+    and a step has at most max_num_seqs x (tree_budget + 1) rows."""
+    from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, stash_bytes_per_row
+    from vllm_ddtree.recurrent.limits import stash_bytes
+
+    seen, commit = [], GDNTreeVerify.commit
+
+    def measured_commit(self, verdict):
+        for s in self.stash:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in (s.x, s.k, s.v, s.g, s.beta)}
+            seen.append((s.x.shape[0], sum(storages.values())))
+        commit(self, verdict)
+
+    monkeypatch.setattr(GDNTreeVerify, "commit", measured_commit)
+    _, llm = generate(tiny_hybrid, tree_spec(tiny_hybrid, 8), max_num_seqs=4,
+                      prompts=PROMPTS[:4], max_tokens=8)
+    config = llm.llm_engine.vllm_config
+    row = stash_bytes_per_row(config.model_config.hf_text_config, torch.bfloat16)
+    need, per_request = stash_bytes(config)
+    assert seen and all(size == rows * row for rows, size in seen)
+    assert max(rows for rows, _ in seen) == 4 * 9  # four requests' whole trees in a step
+    assert per_request == 3 * 9 * row and need == 4 * per_request  # 3 GDN layers
+
+
+def test_a_stash_that_does_not_fit_is_refused_at_startup(tiny_hybrid: Path,
+                                                         monkeypatch) -> None:
+    """A budget whose per-step stash exceeds the memory left beside the KV cache (here 1 GiB
+    free of the node's 2 beside VLLM_CPU_KVCACHE_SPACE=1) is refused at start-up with the
+    number needed and the settings to change; a smaller batch of the same budget fits."""
+    from collections import namedtuple
+
+    import psutil
+    from vllm.engine.arg_utils import EngineArgs
+
+    memory = namedtuple("memory", "total available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(24 * 2**30, 2 * 2**30))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    def config(max_num_seqs: int):
+        return EngineArgs(model=str(tiny_hybrid / "target"), max_model_len=512,
+                          dtype="bfloat16", enable_prefix_caching=False,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=300_000,
+                          speculative_config=tree_spec(tiny_hybrid, 1024),
+                          ).create_engine_config()
+
+    # 256 requests x 1025 rows x 3 layers x 2,064 bytes: 1.51 GiB.
+    with pytest.raises(ValueError, match=r"tree_budget is 1024: a verify step's Gated DeltaNet "
+                       r"stash .* needs 1\.51 GiB \(6\.1 MiB per request, up to 256 requests "
+                       r"a step\), but 1\.00 GiB is left beside the KV cache sized by "
+                       r"VLLM_CPU_KVCACHE_SPACE \(1 GiB\); lower tree_budget, max_num_seqs"):
+        config(256)
+    assert config(8).speculative_config.num_speculative_tokens == 1024
+
+
+@pytest.mark.slow
+def test_preemption_under_a_small_kv_cache_and_cut_trees_stay_lossless(tiny_hybrid: Path,
+                                                                        monkeypatch) -> None:
+    """Three requests of about 600 prompt tokens, prefilled in chunks beside verify steps,
+    under a KV cache of 82 blocks: vLLM sizes a hybrid's attention blocks to the recurrent
+    state's page (640 tokens here), and a request holds 8 blocks (1 + tree_depth state
+    slots) in each of the 3 GDN layers' groups and one attention block per 640 tokens in
+    each of the 2 attention groups: the three fit until two pass 640 tokens, and one is then
+    preempted (its recurrent state recomputed from its tokens when it is resumed). The last
+    one runs into max_model_len (660), its last trees cut short. Output stays the target's
+    own, with trees accepted deep."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    lengths, max_tokens, max_len = (600, 610, 620), 50, 660
+    prompts = [[3 + (7 * i + j * j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
+    truth = {}
+    _, llm = generate(tiny_hybrid, None, prompts=PROMPTS[:1], max_tokens=1, max_model_len=1024)
+    for prompt, out in zip(prompts, llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens + 16, ignore_eos=True),
+            use_tqdm=False)):
+        truth[tuple(prompt)] = list(out.outputs[0].token_ids)
+    del llm
+    with_oracle(monkeypatch, truth, seed=3)
+    _, llm = generate(tiny_hybrid, tree_spec(tiny_hybrid, 12), prompts=PROMPTS[:1],
+                      max_tokens=1, max_num_seqs=3, max_model_len=max_len,
+                      max_num_batched_tokens=128, num_gpu_blocks_override=82)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                          ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        room = min(max_tokens, max_len - len(prompt))
+        assert list(out.outputs[0].token_ids) == truth[tuple(prompt)][:room]
+    assert len(outputs[-1].outputs[0].token_ids) == max_len - lengths[-1]  # at the limit
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    assert metrics["vllm:num_preemptions"] > 0, "the KV cache was not small enough to preempt"
+    assert tree_stats(llm)["longest_accepted"] >= 3
+
+
+@pytest.mark.slow
+def test_sampling_matches_the_target_distribution(tiny_hybrid: Path, monkeypatch) -> None:
+    """Temperature 2 (the tiny target's margins make it nearly deterministic at 1), top-k
+    3: the 2nd and 3rd tokens, the first ones speculation produces, are distributed as
+    without speculation, with trees (budget 8) of the oracle drafter shown the greedy
+    continuation, so that sampled nodes are accepted too. Fails below a chi-square p-value
+    of 0.001 (fixed seeds: deterministic)."""
+    from engine_helpers import chi_square_p_value
+    from vllm import SamplingParams
+
+    n, prompt = 600, "def main():"
+
+    def sampled(llm) -> list[list[int]]:
+        params = [SamplingParams(temperature=2.0, top_k=3, max_tokens=3, seed=1000 + i)
+                  for i in range(n)]
+        return [list(o.outputs[0].token_ids)
+                for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+
+    greedy, llm = generate(tiny_hybrid, None, prompts=[prompt], max_tokens=19,
+                           max_num_seqs=64, max_model_len=128)
+    plain = sampled(llm)
+    del llm
+    with_oracle(monkeypatch, {tuple(tiny_tokenizer(tiny_hybrid).encode(prompt)):
+                              greedy[prompt]}, seed=8)
+    _, llm = generate(tiny_hybrid, tree_spec(tiny_hybrid, 8), prompts=[prompt], max_tokens=1,
+                      max_num_seqs=64, max_model_len=128)
+    speculated = sampled(llm)
+    # Three tokens: one verify step a request, a node accepted (off the spine too) and a
+    # bonus token.
+    stats = tree_stats(llm)
+    assert stats["longest_accepted"] == 1 and stats["paths_off_the_index_line"] > 0, stats
+    assert all(len(t) == 3 for t in speculated)
+    for position in (1, 2):
+        assert len({t[position] for t in plain}) >= 3  # a real distribution, not one token
+        p = chi_square_p_value([t[position] for t in plain],
+                               [t[position] for t in speculated])
+        assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"
+
+
+def tiny_tokenizer(pair: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(pair / "target"))

@@ -1,0 +1,68 @@
+"""scripts/bench_acceptance.py runs every mode side by side and writes its table, JSON and
+plots (on the random tiny pair, briefly: this checks the benchmark, not the numbers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):\n    return", "The name of the file is"]))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_acceptance.py"),
+         "--target", str(tiny_models / "target"), "--drafter", str(tiny_models / "drafter"),
+         "--prompts", str(prompts), "--max-tokens", "6", "--budgets", "4", "8",
+         "--repeats", "2", "--dynamic", "8:6", "--out", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    data = json.loads((out / "acceptance.json").read_text())
+    assert data["identical_greedy_outputs"] is True
+    results = {r["mode"]: r for r in data["results"]}
+    assert list(results) == ["none", "dflash", "ddtree B=4 spine", "ddtree B=8 spine",
+                             "ddtree B=4", "ddtree B=8", "ddtree B=8 spine, 6 tokens/step"]
+    none = results.pop("none")
+    assert none["verify_steps"] == 0 and none["acceptance_length"] == 1.0
+    assert none["target_forwards_per_token"] == 1.0  # one forward per token, prefill included
+    for mode, r in results.items():
+        assert r["verify_steps"] > 0, mode
+        assert sum(r["accepted_length_histogram"]) == r["verify_steps"], mode
+        depth = r["per_depth_acceptance"]
+        assert all(a >= b for a, b in zip(depth, depth[1:])), mode
+        assert r["acceptance_length"] == pytest.approx(1 + sum(depth))
+        assert r["tokens_per_s"] > 0 and len(r["tokens_per_s_runs"]) == 2
+        assert "verify forward" in r["breakdown_ms_per_forward"]
+        if mode.startswith("ddtree"):
+            assert "walk + compaction" in r["breakdown_ms_per_forward"]
+            # Every step builds (a spine of at most the drafter's 7 positions builds the chain).
+            assert "tree build" in r["breakdown_ms_per_forward"], mode
+    table = (out / "acceptance.md").read_text()
+    assert "| ddtree B=8 | 1 |" in table and "identical across modes: yes" in table
+    speed = table.split("Tokens/s over the dflash chain's:")[1]
+    for mode in list(results)[1:]:
+        ratio = results[mode]["tokens_per_s"] / results["dflash"]["tokens_per_s"]
+        assert f"| {mode} | {ratio:.2f}x | {'met' if ratio >= 1.35 else 'not met'} |" in speed
+    for png in ("acceptance_vs_budget_c1.png", "accepted_length_histogram_c1.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_token_schedule_keeps_verify_steps_near_the_target() -> None:
+    from bench_acceptance import step_token_schedule
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    schedule = step_token_schedule(64, budget=16, max_reqs=40)
+    assert schedule == [(1, 3, 16), (4, 4, 15), (5, 8, 7), (9, 16, 3), (17, 40, 1)]
+    lookup = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=40,
+                                              vllm_num_speculative_tokens=16)
+    for reqs in range(1, 41):
+        assert reqs * (lookup[reqs] + 1) <= max(64, 2 * reqs)

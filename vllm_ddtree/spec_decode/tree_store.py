@@ -1,0 +1,59 @@
+"""The trees drafted last, by request-state slot: one record the drafting writes and the
+next verify step reads (the walk's links, the positions' depths, TREE_ATTN's masks).
+
+Requests whose logits processing reads the drafts before a row as that row's history
+(penalties, bad words, a thinking budget: vLLM's kernels count the rows before it) or whose
+grammar masks the scheduler builds along the drafts in order (structured output) draft the
+drafter's greedy chain instead, in their first ``depth`` nodes, and are verified as a chain:
+causal attention, chain positions, vLLM's own processing (``chain_only``, set per request;
+``chain``, how the stored drafts were built).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree import ops
+from vllm_ddtree.attention.tree_batch import TreeBatch
+from vllm_ddtree.tree import mask_words
+
+
+class TreeStore:
+    """Row ``max_num_reqs`` takes padded rows. ``attention`` is TREE_ATTN's view of the
+    store (its masks and depths are the store's tensors) with the step's pointers."""
+
+    def __init__(self, max_num_reqs: int, budget: int, depth: int,
+                 device: torch.device) -> None:
+        rows, nodes = max_num_reqs + 1, budget + 1
+
+        def links() -> torch.Tensor:
+            return torch.full((rows, nodes), -1, dtype=torch.int32, device=device)
+
+        self.padding_slot, self.depth = max_num_reqs, depth
+        self.first_child, self.next_sibling, self.parents = links(), links(), links()
+        self.depths = torch.zeros(rows, nodes, dtype=torch.int32, device=device)
+        self.ancestor_mask = torch.zeros(rows, nodes, mask_words(nodes), dtype=torch.int32,
+                                         device=device)
+        self.chain_only = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.chain = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.attention = TreeBatch.over(self.ancestor_mask, self.depths)
+        node = torch.arange(nodes, dtype=torch.int32, device=device)
+        self._chain_depths, self._chain_parents = node, node - 1
+        self._chain_child = torch.where(node < depth, node + 1, -1).to(torch.int32)
+
+    def write(self, slots: torch.Tensor, trees: ops.DraftTrees,
+              greedy: torch.Tensor) -> torch.Tensor:
+        """Stores the trees (``greedy``: the drafter's argmax per depth, [R, depth]) and
+        returns the drafts, [R, budget]: the trees' nodes, or the greedy chain."""
+        slots = torch.where(slots < 0, self.padding_slot, slots)
+        chain = self.chain_only[slots]
+        rows = chain[:, None]
+        drafts = trees.token_ids[:, 1:].clone()
+        drafts[:, :self.depth] = torch.where(rows, greedy, drafts[:, :self.depth])
+        self.first_child[slots] = torch.where(rows, self._chain_child, trees.first_child)
+        self.next_sibling[slots] = torch.where(rows, -1, trees.next_sibling)
+        self.parents[slots] = torch.where(rows, self._chain_parents, trees.parents)
+        self.depths[slots] = torch.where(rows, self._chain_depths, trees.depths)
+        self.ancestor_mask[slots] = trees.ancestor_mask
+        self.chain[slots] = chain
+        return drafts

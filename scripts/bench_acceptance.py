@@ -116,6 +116,7 @@ class StepTimers:
 
 def install_timers(llm, timers: StepTimers) -> None:
     import vllm_ddtree.ops
+    from vllm_ddtree.spec_decode.verifier import TreeVerifier
 
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
@@ -126,7 +127,7 @@ def install_timers(llm, timers: StepTimers) -> None:
     timers.wrap(vllm_ddtree.ops, "build_tree_from_logits", "tree build")
     rejection = getattr(runner, "rejection_sampler", None)
     if rejection is not None:
-        name = ("walk + compaction" if hasattr(rejection, "verified_rows")
+        name = ("walk + compaction" if isinstance(rejection, TreeVerifier)
                 else "chain rejection")
         timers.wrap(runner, "rejection_sampler", name)
 

@@ -52,7 +52,7 @@ def record_verdicts(worker):
 
     def recorded(self, *args, **kwargs):
         out = call(self, *args, **kwargs)
-        v = self.step.verdict
+        v = self._path.verdict  # the walk just made
         log.append([v.accepted.tolist(), v.num_accepted.tolist(), v.output_tokens.tolist()])
         return out
 

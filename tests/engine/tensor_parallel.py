@@ -106,7 +106,9 @@ def run_tp2(executor: str, model: Path, spec: dict | None, prompts: list[str],
     done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, json.dumps(run)], env=env,
                           text=True, capture_output=True, timeout=600)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    # The exit status too: a negative one is the signal that killed the driver (a Ray run
+    # once died under a loaded machine with no traceback).
+    assert done.returncode == 0 and lines, f"exit status {done.returncode}\n{done.stderr[-4000:]}"
     result = json.loads(lines[-1].removeprefix("RESULT "))
     if executor == "ray":  # Ray kills its workers, which then never unlinked (patch 0011)
         assert not leftover_shared_memory(done.stderr + done.stdout)

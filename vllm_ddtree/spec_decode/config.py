@@ -33,6 +33,7 @@ from vllm_ddtree.recurrent.limits import (
     verify_stash_fits,
 )
 from vllm_ddtree.spec_decode.options import (
+    METHODS,
     OPTION_NAMES,
     TREE_FIELDS,
     TreeOptions,
@@ -71,7 +72,7 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
     supports_watermarking = False
     # The build a method implies (None: by the drafter's head; "jetspec" for jetspec).
     implied_build: ClassVar[str | None] = None
-    method_name: ClassVar[str] = "ddtree"
+    method_name: ClassVar[str] = METHODS[0]
 
     @classmethod
     def configure(cls, spec: Any) -> None:
@@ -271,7 +272,7 @@ class JetSpecSpeculatorConfig(DDTreeSpeculatorConfig):
     """JetSpec's build (per-depth widths) over a DFlash or JetSpec-head drafter."""
 
     implied_build = "jetspec"
-    method_name = "jetspec"
+    method_name = METHODS[1]
 
 
 def register() -> None:
@@ -283,8 +284,8 @@ def register() -> None:
 
     from vllm_ddtree.attention import CPU_BACKEND_PATH, CUDA_BACKEND_PATH
 
-    register_speculative_method("ddtree", f"{__name__}.DDTreeSpeculatorConfig")
-    register_speculative_method("jetspec", f"{__name__}.JetSpecSpeculatorConfig")
+    for config in (DDTreeSpeculatorConfig, JetSpecSpeculatorConfig):
+        register_speculative_method(config.method_name, f"{__name__}.{config.__name__}")
     register_backend("TREE_ATTN",
                      CPU_BACKEND_PATH if current_platform.is_cpu() else CUDA_BACKEND_PATH)
 

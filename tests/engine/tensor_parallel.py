@@ -95,7 +95,8 @@ def run_tp2(executor: str, model: Path, spec: dict | None, prompts: list[str],
     settings (float32 unless given)."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc sends functions
-           "PYTHONPATH": str(REPO / "tests")}  # the ranks import engine_helpers
+           "PYTHONPATH": str(REPO / "tests"),  # the ranks import engine_helpers
+           "PYTHONFAULTHANDLER": "1"}  # a crash prints where it happened
     if executor == "ray":  # the engine in the script's process, a Ray driver
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:  # worker processes, bound to a core each
@@ -103,11 +104,19 @@ def run_tp2(executor: str, model: Path, spec: dict | None, prompts: list[str],
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     run = {"executor": executor, "model": str(model / "target"), "spec": spec,
            "prompts": prompts, "max_tokens": max_tokens, "engine": {"dtype": "float32"}} | run
-    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, json.dumps(run)], env=env,
-                          text=True, capture_output=True, timeout=600)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, json.dumps(run)], env=env,
+                              text=True, capture_output=True, timeout=600)
+        # Known, not understood: a Ray driver on CPU has died by SIGSEGV (exit status -11)
+        # in about one full suite run in two, after its workers loaded the models, its
+        # stderr's last line a second "Started a local Ray instance"; alone or under an
+        # artificial load it passes. Such a death (a signal, nothing asserted yet) is run
+        # once more, and said on the test's output; any other failure fails at once.
+        if done.returncode >= 0 or attempt:
+            break
+        print(f"run_tp2: the {executor} driver died by signal {-done.returncode}; once more. "
+              f"Its stderr ended:\n{done.stderr[-3000:]}")
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    # The exit status too: a negative one is the signal that killed the driver (a Ray run
-    # once died under a loaded machine with no traceback).
     assert done.returncode == 0 and lines, f"exit status {done.returncode}\n{done.stderr[-4000:]}"
     result = json.loads(lines[-1].removeprefix("RESULT "))
     if executor == "ray":  # Ray kills its workers, which then never unlinked (patch 0011)

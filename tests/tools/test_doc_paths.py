@@ -26,8 +26,8 @@ EXEMPT = ["docs/test-suite-times.md", *(f"docs/{p.name}" for p in REPO.glob("doc
 DOCS = ["README.md", *(f"docs/{p.name}" for p in sorted(REPO.glob("docs/*.md"))
                        if f"docs/{p.name}" not in EXEMPT)]
 
-# Not inside a longer path, a URL or a variable, nor a git object (``625ab57^:scripts/x.py``).
-_START = r"(?<![\w./~$:-])"
+# Not inside a longer path, a URL or a variable.
+_START = r"(?<![\w./~$-])"
 PATH = re.compile(_START + rf"((?:{'|'.join(ROOTS + IN_PACKAGE)})/[\w./-]*)")
 PATCH = re.compile(_START + r"(\d{4}-[\w.-]+\.patch)\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -43,14 +43,15 @@ def chunk_bounds(cu_num_logits: np.ndarray, chunk_rows: int, head: int
                  ) -> list[tuple[int, int]]:
     """The chunks' row ranges [start, end): consecutive, of at most max(chunk_rows, head)
     rows; a request's first ``head`` rows are never split."""
-    size = max(chunk_rows, head)
+    size, total = max(chunk_rows, head), int(cu_num_logits[-1])
+    if total <= size:  # one chunk: no walk over the requests
+        return [(0, total)]
     bounds = [0]
     for start, end in zip(cu_num_logits[:-1].tolist(), cu_num_logits[1:].tolist()):
         if min(end, start + head) - bounds[-1] > size:
             bounds.append(start)  # the head would straddle: the chunk ends before it
         while end - bounds[-1] > size:
             bounds.append(bounds[-1] + size)
-    total = int(cu_num_logits[-1])
     if bounds[-1] != total:
         bounds.append(total)
     return list(zip(bounds[:-1], bounds[1:]))

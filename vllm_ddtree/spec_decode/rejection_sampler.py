@@ -20,6 +20,7 @@ import torch
 
 from vllm_ddtree import ops
 from vllm_ddtree.spec_decode import node_sampling
+from vllm_ddtree.spec_decode.tree_store import TreeStore
 from vllm_ddtree.synthetic import SyntheticAcceptance
 
 
@@ -37,11 +38,7 @@ class TreeVerifyInput:
     step: TreeStep
     logits: torch.Tensor  # [num_logits, vocab]
     batch: Any  # V2's InputBatch of the step
-    # The step's trees, per request of the batch ([R, budget + 1]; TreeStore's by slot).
-    first_child: torch.Tensor
-    next_sibling: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
+    trees: TreeStore  # the step's trees, by request-state slot (batch.idx_mapping)
 
 
 @dataclass(frozen=True)
@@ -96,14 +93,16 @@ class TreeRejectionSampler:
         at = at.clamp(max=logits.shape[0] - 1)
         token_ids = torch.where(valid, ids[at].long(), -1)
         choices = torch.where(valid, choice[at].long(), -1)
+        slots, trees = batch.idx_mapping, inp.trees
         if sampler.trace_replay_state is not None:
-            choices = self._replayed(choices, batch.idx_mapping, inp.depths)
-        first_child = inp.first_child
+            choices = self._replayed(choices, slots, trees.depths[slots])
+        first_child = trees.first_child[slots]
         if self.synthetic is not None:  # a drawn path is accepted, not the target's
             choices, first_child = self.synthetic.override(
-                choices, token_ids, inp.parents, inp.depths, first_child, valid)
+                choices, token_ids, trees.parents[slots], trees.depths[slots], first_child,
+                valid)
         verdict = ops.Verdict(*torch.ops.vllm_ddtree.verify_tree(
-            token_ids, first_child, inp.next_sibling, choices, self.max_depth))
+            token_ids, first_child, trees.next_sibling[slots], choices, self.max_depth))
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (verdict.num_accepted + 1).to(torch.int32), batch.seq_lens,
             batch.cu_num_logits, batch.idx_mapping, sampler.req_states.prefill_len.gpu)

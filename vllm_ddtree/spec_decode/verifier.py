@@ -151,16 +151,12 @@ class TreeVerifier:
         step = self._step
         assert step is not None and self.rejection is not None and self.commit is not None, \
             "a verify step before bind, with_sampler and begin_step"
-        slots, trees = input_batch.idx_mapping, self.trees
-        path = self.rejection(TreeVerifyInput(
-            step, logits, input_batch, first_child=trees.first_child[slots],
-            next_sibling=trees.next_sibling[slots], parents=trees.parents[slots],
-            depths=trees.depths[slots]))
+        path = self.rejection(TreeVerifyInput(step, logits, input_batch, self.trees))
         self.commit.caches(path)
         input_batch.positions[step.rows] -= step.delta  # chain positions, for the drafter
         self.counters.count(path.verdict)
         if self._warm_up is not None:  # after the first tree step's forward: done
-            trees.attention.set_warm_up(None)
+            self.trees.attention.set_warm_up(None)
             self._warm_up = None
         self._path = path
         return path.sampler_output()

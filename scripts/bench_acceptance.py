@@ -36,9 +36,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on the CPU platform
 
 
 def modes(drafter: str, budgets: list[int], depth: int, dynamic: Sequence[str] = (),
-          max_reqs: int = 256, jetspec: str | None = None) -> list[tuple[str, dict | None]]:
+          max_reqs: int = 256, jetspec: str | None = None,
+          adaptive: Sequence[int] = ()) -> list[tuple[str, dict | None]]:
     """The modes of a run; with ``jetspec`` (a JetSpec head) also that head with JetSpec's
-    build and with DDTree's best-first build, at every budget (spine on, as DDTree's)."""
+    build and with DDTree's best-first build, at every budget (spine on, as DDTree's); with
+    ``adaptive`` (caps) ddtree's adaptive trees, and the JetSpec head's, at each cap."""
     out: list[tuple[str, dict | None]] = [("none", None), (
         "dflash", {"method": "dflash", "model": drafter, "num_speculative_tokens": depth})]
     for spine in (True, False):
@@ -49,6 +51,14 @@ def modes(drafter: str, budgets: list[int], depth: int, dynamic: Sequence[str] =
         for build in ("jetspec", "best_first"):
             out.append((f"jetspec head, {build} B={b} spine", {
                 "method": "ddtree", "model": jetspec, "tree_budget": b, "tree_build": build}))
+    for cap in adaptive:
+        out.append((f"ddtree adaptive, cap {cap}", {
+            "method": "ddtree", "model": drafter, "tree_budget": cap,
+            "enable_adaptive_verification": True}))
+        if jetspec:
+            out.append((f"jetspec head adaptive, cap {cap}", {
+                "method": "ddtree", "model": jetspec, "tree_budget": cap,
+                "tree_build": "jetspec", "enable_adaptive_verification": True}))
     for pair in dynamic:
         b, tokens = (int(x) for x in pair.split(":"))
         out.append((f"ddtree B={b} spine, {tokens} tokens/step", {
@@ -326,6 +336,9 @@ def main() -> int:
                              "decoding, trees cut to keep a verify step near TOKENS tokens")
     parser.add_argument("--jetspec-drafter", help="also a JetSpec head (causal_head) with both "
                         "builds, e.g. a train_tiny_pair.py --jetspec output's drafter/")
+    parser.add_argument("--adaptive", type=int, nargs="*", default=[], metavar="CAP",
+                        help="also adaptive trees (enable_adaptive_verification) under each "
+                             "cap (tree_budget)")
     parser.add_argument("--modes", nargs="*", help="run only these modes (names as printed)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args()
@@ -345,7 +358,8 @@ def main() -> int:
     results = []
     for conc in args.concurrency:
         for name, spec in modes(args.drafter, args.budgets, block - 1, args.dynamic,
-                                max(args.concurrency), args.jetspec_drafter):
+                                max(args.concurrency), args.jetspec_drafter,
+                                args.adaptive):
             if args.modes and name not in args.modes:
                 continue
             print(f"--- {name}, concurrency {conc}", file=sys.stderr, flush=True)

@@ -127,8 +127,7 @@ def test_trace_replay_emits_the_trace_with_the_targets_logprobs(target_alone: di
 @pytest.mark.parametrize(("spec", "named"), [
     (dict(tree_spec(tree_budget=0)), "tree_budget"),
     (dict(tree_spec(tree_budget=16, tree_size=3)), "speculator_options.tree_size"),
-    (dict(tree_spec(tree_budget=16), enable_adaptive_verification=True),
-     "enable_adaptive_verification"),
+    (dict(tree_spec(tree_budget=16, adaptive="yes")), "speculator_options.adaptive"),
     (dict(tree_spec(tree_budget=16), rejection_sample_method="block"),
      "rejection_sample_method"),
     (dict(tree_spec(tree_budget=16), draft_sample_method="probabilistic"),
@@ -174,7 +173,8 @@ def test_the_resolved_options_are_in_the_config(tmp_path: Path) -> None:
     assert (spec.method, spec.custom_method, spec.num_speculative_tokens) == (
         "dflash", "ddtree", 32)
     assert spec.speculator_options == {"tree_budget": 32, "tree_depth": 7, "tree_spine": True,
-                                       "tree_build": "best_first", "tree_width": None}
+                                       "tree_build": "best_first", "tree_width": None,
+                                       "adaptive": False}
     # num_speculative_tokens is the depth, then tree_budget for vLLM; a re-validation of
     # the resolved config (vLLM re-runs it on copies) keeps both.
     config = EngineArgs(model=str(PAIR / "target"), max_model_len=512,
@@ -184,6 +184,15 @@ def test_the_resolved_options_are_in_the_config(tmp_path: Path) -> None:
     assert (spec.num_speculative_tokens, spec.speculator_options["tree_depth"]) == (32, 5)
     spec.__post_init__()
     assert (spec.num_speculative_tokens, spec.speculator_options["tree_depth"]) == (32, 5)
+    # Adaptive trees: ddtree's own sizing, resolved into the options (vLLM's chain sizing,
+    # and its backends' checks for it, stay off), kept on re-validation.
+    config = EngineArgs(model=str(PAIR / "target"), max_model_len=512,
+                        speculative_config=tree_spec(tree_budget=32) | {
+                            "enable_adaptive_verification": True}).create_engine_config()
+    spec = config.speculative_config
+    assert spec.speculator_options["adaptive"] and not spec.enable_adaptive_verification
+    spec.__post_init__()
+    assert spec.speculator_options["adaptive"]
 
 
 def run_llm(spec: dict | None, params: list) -> tuple[list, dict | None]:
@@ -312,7 +321,7 @@ STEP_FILES = ("spec_decode/speculator.py", "spec_decode/verifier.py",
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "cuda-on-interpreter"])
+@pytest.mark.parametrize("backend", ["cpu", "cuda-on-interpreter", "cpu-adaptive"])
 def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
                                              request: pytest.FixtureRequest,
                                              backend: str) -> None:
@@ -322,7 +331,9 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
     requests, logprobs, chains for penalties and bad words, min_tokens and
     allowed_token_ids, is recorded: there must be none (the CPU attention backend's own
     planning is host work by design, and not among them). With TREE_ATTN's CUDA backend
-    (its kernel on the interpreter) the backend's build, forward and KV compaction too."""
+    (its kernel on the interpreter) the backend's build, forward and KV compaction too;
+    with adaptive trees (fixed costs that size them step by step) the sizing's device work:
+    the calibration's counts and the trees' scores (its host side reads host copies)."""
     import sys
 
     import torch
@@ -335,6 +346,11 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
     if backend == "cuda-on-interpreter":
         request.getfixturevalue("cuda_tree_attn_on_cpu")
         step_files += ("attention/backend.py", "attention/triton_tree_attention.py")
+    spec = tree_spec(tree_budget=16)
+    if backend == "cpu-adaptive":
+        step_files += tuple(f"spec_decode/adaptive/{f}.py"
+                            for f in ("sizing", "calibration", "costs"))
+        spec["enable_adaptive_verification"] = True
 
     def record(name: str, original, check=None):  # noqa: ANN001, ANN202
         def wrapper(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -347,7 +363,11 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
         return wrapper
 
     llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
-              dtype="float32", max_num_seqs=8, speculative_config=tree_spec(tree_budget=16))
+              dtype="float32", max_num_seqs=8, speculative_config=spec)
+    if backend == "cpu-adaptive":
+        from test_adaptive_trees import costs, use_costs
+
+        sizing = use_costs(llm, costs(per_token_ms=0.01, draft_ms=0.05))
     for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__",
                  "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, record(name, getattr(torch.Tensor, name)))
@@ -374,7 +394,11 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
                    for m in runner.model.modules())
     verifier = runner.speculator.verifier
     assert verifier.stats()["verified_rows"] > 0  # the read-out syncs, outside the step
-    assert calls == ["__int__ in spec_decode/verifier.py:stats"] * 2, calls
+    read_out = ["__int__ in spec_decode/verifier.py:stats"] * 2
+    if backend == "cpu-adaptive":
+        assert sizing.counters["min_nodes"] < sizing.counters["max_nodes"]
+        read_out.append("__float__ in spec_decode/adaptive/sizing.py:stats")
+    assert calls == read_out, calls
 
 
 @pytest.mark.slow

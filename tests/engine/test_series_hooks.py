@@ -19,7 +19,7 @@ PAIR = REPO / "models" / "tiny-pair"
 def test_the_series_is_small_and_says_why() -> None:
     patches = read_series(SERIES)
     assert (SERIES / "upstream-version").read_text().strip() == "0.34.0"
-    assert len(patches) <= 12
+    assert len(patches) <= 13  # 0013: adaptive trees take the runner's sizing seat
     added = 0
     for patch in patches:
         text = (SERIES / patch.name).read_text()

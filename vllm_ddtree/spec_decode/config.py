@@ -57,8 +57,6 @@ DECODE_GRAPH_REQUESTS = 32
 # Settings of V2's verification that tree verification does not honour: (field, the value
 # that leaves it off, why).
 _REFUSED = (
-    ("enable_adaptive_verification", (False,), "trees are sized by tree_budget, not per "
-     "request"),
     ("draft_sample_method", ("greedy",), "trees are built from the drafter's top-k "
      "log-probabilities"),
     ("rejection_sample_method", ("standard", "synthetic"), "trees are verified by walking "
@@ -111,6 +109,13 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         if target.is_hybrid or target.has_inner_state:
             verify_recurrent_target(target)
         spec.num_speculative_tokens = options.tree_budget
+        # Adaptive trees are ddtree's own (adaptive/sizing.py, in the runner's manager
+        # seat): vLLM's chain sizing and the backends' checks for it stay off.
+        if not isinstance(options.adaptive, bool):
+            raise ValueError(f"speculative_config.speculator_options.adaptive must be true or "
+                             f"false, got {options.adaptive!r}")
+        options.adaptive = options.adaptive or bool(spec.enable_adaptive_verification)
+        spec.enable_adaptive_verification = False
         spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
         # Synthetic acceptance (benchmarking only): per-depth rates, padded for vLLM's
         # check; a config set up before keeps its padded rates.

@@ -16,8 +16,9 @@ from vllm_ddtree.tree import MAX_BUDGET
 METHODS = ("ddtree", "jetspec")
 DEFAULT_TREE_BUDGET = 64
 TREE_FIELDS = ("tree_budget", "tree_spine", "tree_build", "tree_width")
-# The user's fields, and the depth the resolved options carry too.
-OPTION_NAMES = (*TREE_FIELDS, "tree_depth")
+# The user's fields, and what the resolved options carry too: the depth, and whether trees
+# are sized adaptively (the user's enable_adaptive_verification).
+OPTION_NAMES = (*TREE_FIELDS, "tree_depth", "adaptive")
 TREE_BUILDS = ("best_first", "jetspec")
 DEFAULT_TREE_WIDTH = 7  # JetSpec's W
 MAX_WIDTHS = 32  # per-depth widths the build op takes (csrc/tree.h kMaxWidths)
@@ -38,6 +39,7 @@ class TreeOptions:
     tree_spine: bool = True
     tree_build: str | None = None
     tree_width: int | list[int] | None = None
+    adaptive: bool = False
 
 
 def with_speculator_options(spec: dict) -> dict:

@@ -23,6 +23,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention.features import refuse_quantized_kv_cache
+from vllm_ddtree.spec_decode.adaptive.reorder import by_score
 from vllm_ddtree.spec_decode.model_state import install_model_state
 from vllm_ddtree.spec_decode.options import tree_options, tree_widths
 from vllm_ddtree.spec_decode.tree_store import TreeStore
@@ -48,11 +49,14 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def __init__(self, vllm_config: Any, device: torch.device, req_states: Any = None) -> None:
         self.req_states = req_states  # the runner's; read by tests' oracle drafters only
+        self.sizing: Any = None  # adaptive trees (make_adaptive_verification)
         options = tree_options(vllm_config.speculative_config)
         # The base class sizes its buffers by num_speculative_tokens (tree_budget) drafter
         # steps; the drafter drafts tree_depth. Read before: _num_graph_context_tokens.
         self.budget, self.depth = options.tree_budget, options.tree_depth
         self.spine, self.widths = options.tree_spine, tree_widths(options)
+        # Adaptive trees verify prefixes: their nodes are renumbered most probable first.
+        self.by_score = options.adaptive
         refuse_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
         super().__init__(vllm_config, device)
         self.num_speculative_steps = self.depth
@@ -98,6 +102,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         roots = self.input_buffers.input_ids[:num_reqs * step:step].to(torch.int64)
         logits = logits.view(num_reqs, self.depth, -1)
         trees = ops.build_tree_from_logits(roots, logits, self.budget, self.spine, self.widths)
+        if self.by_score:
+            trees = by_score(trees)
         slots = self.sample_idx_mapping[:num_reqs * self.depth:self.depth]
         self.draft_tokens[:num_reqs] = self.trees.write(slots, trees, logits.argmax(dim=-1))
 
@@ -105,10 +111,24 @@ class DDTreeSpeculator(DFlashSpeculator):
         """The drafter's logits, ``[num_reqs * tree_depth, vocab]``, request-major."""
         return self.model.compute_logits(hidden_states)
 
+    def make_adaptive_verification(self, runner: Any) -> Any:
+        """The runner's adaptive verification manager (patch 0013): adaptive trees when
+        the config asks for them (enable_adaptive_verification), else none."""
+        if not tree_options(self.vllm_config.speculative_config).adaptive:
+            return None
+        from vllm_ddtree.spec_decode.adaptive.sizing import AdaptiveTreeSizing
+
+        self.sizing = self.verifier.sizing = AdaptiveTreeSizing(runner, self.trees,
+                                                                self.budget)
+        return self.sizing
+
     def propose(self, input_batch: Any, attn_metadata: dict[str, Any],
                 slot_mappings: dict[str, torch.Tensor], last_hidden_states: torch.Tensor,
                 aux_hidden_states: list[torch.Tensor] | None, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
         self.verifier.commit_hidden_states([last_hidden_states, *(aux_hidden_states or [])])
+        if self.sizing is not None and not self.sizing.drafting(input_batch):
+            # Paused: DFlash stores the step's context and drafts nothing.
+            kwargs["num_speculative_tokens"] = 0
         return super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                                aux_hidden_states, *args, **kwargs)

@@ -34,6 +34,9 @@ class TreeStore:
         self.depths = torch.zeros(rows, nodes, dtype=torch.int32, device=device)
         self.ancestor_mask = torch.zeros(rows, nodes, mask_words(nodes), dtype=torch.int32,
                                          device=device)
+        # Each node's path log-probability under the drafter, made non-increasing along
+        # the node order (adaptive trees verify prefixes; adaptive/reorder.py).
+        self.scores = torch.zeros(rows, budget, dtype=torch.float32, device=device)
         self.chain_only = torch.zeros(rows, dtype=torch.bool, device=device)
         self.chain = torch.zeros(rows, dtype=torch.bool, device=device)
         self.attention = TreeBatch.over(self.ancestor_mask, self.depths)
@@ -56,4 +59,32 @@ class TreeStore:
         self.depths[slots] = torch.where(rows, self._chain_depths, trees.depths)
         self.ancestor_mask[slots] = trees.ancestor_mask
         self.chain[slots] = chain
+        self.scores[slots] = self._scores(trees, rows)
         return drafts
+
+    def saved(self) -> list[torch.Tensor]:
+        """A copy of what drafting writes (``restore`` puts it back): dummy runs mid-serving
+        (adaptive trees' first profile) draft into the store too."""
+        return [t.clone() for t in self._drafted()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, old in zip(self._drafted(), saved, strict=True):
+            t.copy_(old)
+
+    def _drafted(self) -> list[torch.Tensor]:
+        return [self.first_child, self.next_sibling, self.parents, self.depths,
+                self.ancestor_mask, self.chain, self.scores]
+
+    def _scores(self, trees: ops.DraftTrees, chain: torch.Tensor) -> torch.Tensor:
+        """The nodes' path log-probs; a chain's node at depth d takes the best tree node's
+        at depth d (the greedy path's: a path's probability is the product of per-depth
+        marginals), -inf past the chain or the tree's depth."""
+        scores = trees.scores[:, 1:].float()
+        depths = trees.depths[:, 1:].long().clamp(min=0)
+        best = torch.full((scores.shape[0], scores.shape[1] + 1), float("-inf"),
+                          device=scores.device).scatter_reduce(1, depths, scores, "amax")
+        node = self._chain_depths[1:].long()
+        chain_scores = best.gather(1, node.clamp(max=self.depth)[None].expand_as(depths))
+        chain_scores = torch.where(node <= self.depth, chain_scores, float("-inf"))
+        scores = torch.where(chain, chain_scores, scores)
+        return torch.cummin(scores, dim=1).values

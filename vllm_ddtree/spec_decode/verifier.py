@@ -60,8 +60,8 @@ class TreeCounters:
 
 
 class TreeVerifier:
-    # Read by V2's start-up warm-up as of any rejection sampler; trees are sized by
-    # tree_budget, never adaptively (refused at start-up).
+    # Read by V2's start-up warm-up as of any rejection sampler: vLLM's chain sizing stays
+    # off (adaptive trees are sized by adaptive/sizing.py, in the runner's manager's seat).
     enable_adaptive_verification = False
 
     def __init__(self, trees: TreeStore, budget: int, depth: int, spec: Any) -> None:
@@ -75,6 +75,7 @@ class TreeVerifier:
         self.rejection: TreeRejectionSampler | None = None  # with_sampler
         self.commit: AcceptedPathCommit | None = None  # bind
         self.gdn: GDNTreeVerify | None = None  # bind, for a hybrid target
+        self.sizing: Any = None  # adaptive trees' AdaptiveTreeSizing, told every verdict
         # Set for the forward of the first step with trees (V2's start-up warm-up step,
         # when it runs): tree attention then compiles every split variant a later step
         # may pick, so that none compiles while serving (attention/backend.py).
@@ -118,6 +119,8 @@ class TreeVerifier:
 
     def begin_step(self, input_batch: Any) -> None:
         self._step = self._path = None
+        if self.sizing is not None:  # adaptive trees time every step from here
+            self.sizing.timer.step_start()
         if not input_batch.num_draft_tokens:
             self.trees.attention.clear()
             if self.gdn is not None:
@@ -155,6 +158,8 @@ class TreeVerifier:
         self.commit.caches(path)
         input_batch.positions[step.rows] -= step.delta  # chain positions, for the drafter
         self.counters.count(path.verdict)
+        if self.sizing is not None:
+            self.sizing.observe(path.verdict, input_batch)
         if self._warm_up is not None:  # after the first tree step's forward: done
             self.trees.attention.set_warm_up(None)
             self._warm_up = None
@@ -167,6 +172,10 @@ class TreeVerifier:
         if path is not None:
             AcceptedPathCommit.hidden_states(path, hidden_states)
 
-    def stats(self) -> dict[str, int]:
-        """Verify steps of requests, the longest accepted path, paths off the spine."""
-        return self.counters.stats()
+    def stats(self) -> dict[str, Any]:
+        """Verify steps of requests, the longest accepted path, paths off the spine; with
+        adaptive trees, what they chose (adaptive/sizing.py)."""
+        stats: dict[str, Any] = dict(self.counters.stats())
+        if self.sizing is not None:
+            stats["adaptive"] = self.sizing.stats()
+        return stats

@@ -1,0 +1,273 @@
+"""Adaptive trees in V2's step: ``AdaptiveTreeSizing`` takes the place of vLLM's
+``AdaptiveVerificationManager`` on the runner (patch 0013), with the same calls.
+
+The scheduler schedules ``tree_budget`` drafts a request. Before the step's inputs are
+made (``get_num_tokens``), the sizing ranks every drafted node of the step by its calibrated
+acceptance (calibration.py; from the latest scores on the host: a CPU's own, a GPU's a
+step old) across all requests, and takes the node count ``k`` that maximizes
+
+    (sampling requests + the k best nodes' acceptances) / step time(non-draft tokens + k)
+
+with the step time from the measured curves (costs.py). A request verifies the prefix of
+its tree that holds its admitted nodes (scores are non-increasing along build order), so a
+confident request verifies a bigger tree than an unsure one, and any may verify none. The
+host and device layouts stay the same (``compact_batch`` gives the exact counts), so that
+chunked node sampling and logprobs read the host's layout as they do for fixed trees.
+
+When not drafting at all beats the best ``k`` (the drafter's cost saved too), the step
+verifies nothing and the drafter pauses: it still stores the accepted tokens' context (V2's
+DFlash drafter with ``num_speculative_tokens=0``), so its context is right when it drafts
+again, the scheduler is told to schedule no drafts (``drafts_to_schedule``), and it probes
+(drafts one tree) after 4, 8, ... up to 64 paused steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_ddtree.spec_decode.adaptive.calibration import AcceptanceCalibration
+from vllm_ddtree.spec_decode.adaptive.costs import StepCosts, StepTimer
+from vllm_ddtree.spec_decode.adaptive.host_copy import HostCopy
+
+PROBE_AFTER = (4, 64)  # paused steps before the first probe, and at most
+PROFILE_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Choice:
+    nodes: np.ndarray  # [R] nodes each request verifies
+    drafting: bool  # whether the drafter drafts trees for the next step
+    predicted: float  # expected accepted drafts
+
+
+def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
+                 costs: StepCosts, explore: bool = False) -> Choice:
+    """The step's node counts from the calibrated acceptance of each request's drafted nodes
+    ``[R, N]`` (non-increasing along a row; 0 where a node cannot be verified). With
+    ``explore`` (a probe's drafts) the best non-empty count is verified even when pausing
+    wins, so that the calibration learns from the target what a paused drafter would
+    never see."""
+    num_reqs, width = acceptance.shape
+    flat = acceptance.ravel()
+    order = np.argsort(-flat, kind="stable")  # ties keep build order: prefixes
+    order = order[flat[order] > 0]
+    gains = num_sampling + np.concatenate(([0.0], np.cumsum(flat[order])))
+    counts = num_non_draft + np.arange(len(gains))
+    rate = gains / costs.step_ms(counts, num_reqs, drafting=True)
+    explore = explore and len(rate) > 1
+    best = int(np.argmax(rate[1:] if explore else rate)) + explore
+    paused = num_sampling / costs.step_ms(counts[:1], num_reqs, drafting=False)[0]
+    drafting = best > 0 and rate[best] > paused
+    if not (drafting or explore):
+        best = 0
+    nodes = np.bincount(order[:best] // width, minlength=num_reqs).astype(np.int32)
+    return Choice(nodes, drafting, float(gains[best] - num_sampling))
+
+
+class AdaptiveTreeSizing:
+    def __init__(self, runner: Any, trees: Any, budget: int) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        self.runner, self.trees, self.budget = runner, trees, budget
+        device = trees.scores.device
+        # Ranks must choose alike: with tensor parallelism the costs are rank 0's start-up
+        # profile, not updated while serving.
+        self._tp = get_tp_group()
+        self.timer = StepTimer(device, learn=self._tp.world_size == 1)
+        self.calibration = AcceptanceCalibration(device)
+        self.scores = HostCopy(trees.scores)
+        self._cu = torch.zeros(runner.max_num_reqs + 1, dtype=torch.int32, device=device)
+        # Accepted drafts, and accepted paths that left the drafter's greedy chain.
+        self._realized = torch.zeros(2, dtype=torch.float32, device=device)
+        self.realized = HostCopy(self._realized)
+        self._batch: tuple[list[str], np.ndarray] | None = None
+        # The drafter: whether it drafts at this step's end, whether the drafts it made
+        # last are fresh, the most nodes a request verified last, and while paused the
+        # steps until a probe and the wait after the next one.
+        self.state = {"drafting": True, "drafted": True, "widest": budget,
+                      "profiled": False, "probe": False, "probe_in": 0,
+                      "wait": PROBE_AFTER[0]}
+        self.counters = {"steps": 0, "paused_steps": 0, "nodes": 0, "min_nodes": None,
+                         "max_nodes": 0, "predicted": 0.0, "probes": 0}
+        self._logged = time.monotonic()
+
+    def add_request(self, req_idx: int) -> None:
+        self.scores.fill_row(req_idx, 0.0)  # untried: as sure as the drafter can be
+
+    def warmup_budget_kernel(self) -> None:
+        """After V2's start-up warm-up (the name is vLLM's; GPU workers run it): the step
+        costs are profiled from timed dummy runs at 1, 2, 4, ... tokens, drafting and
+        paused. Where no warm-up runs (vLLM's CPU worker), the first verify step does it
+        before making its batch, the stored trees kept."""
+        if self.state["profiled"] is not False:
+            return
+        self.state["profiled"] = None  # under way: the dummy runs' drafter never probes
+        saved = self.trees.saved()
+        runner = self.runner
+        top = min(runner.max_num_tokens, runner.max_num_reqs * (self.budget + 1))
+        sizes = sorted({min(2 ** i, top) for i in range(top.bit_length() + 1)})
+        plan = [(n, True) for n in sizes]
+        plan += [(n, False) for n in sizes if n <= runner.max_num_reqs]
+
+        def run(tokens: int, drafting: bool) -> None:
+            self.state["drafting"] = drafting
+            runner._dummy_run(tokens, skip_eplb=True)
+
+        self.timer.profile(run, plan, PROFILE_REPEATS)
+        self.state.update(drafting=True, profiled=True)
+        self.trees.restore(saved)
+        self.timer.costs = self._tp.broadcast_object(self.timer.costs, src=0)
+
+    def get_num_tokens(self, num_tokens_per_req: dict[str, int],
+                       draft_tokens: dict[str, list[int]]) -> int:
+        """The step's token count; the per-request node counts kept for compact_batch."""
+        from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+        self.warmup_budget_kernel()
+        req_ids = sort_batch_req_ids(num_tokens_per_req, draft_tokens,
+                                     self.runner.decode_query_len)
+        scheduled = np.array([len(draft_tokens.get(r, ())) for r in req_ids], dtype=np.int32)
+        non_draft = np.array([num_tokens_per_req[r] for r in req_ids], dtype=np.int32) - \
+            scheduled
+        req_states = self.runner.req_states
+        slots = np.array([req_states.req_id_to_index[r] for r in req_ids], dtype=np.int64)
+        num_sampling = int(np.count_nonzero(
+            req_states.num_computed_tokens_np[slots] + non_draft
+            >= req_states.prefill_len.np[slots]))
+        choice = self._choose(slots, scheduled, num_sampling, int(non_draft.sum()))
+        self._batch = (req_ids, choice.nodes)
+        return int(non_draft.sum() + choice.nodes.sum())
+
+    def _choose(self, slots: np.ndarray, scheduled: np.ndarray, num_sampling: int,
+                num_non_draft: int) -> Choice:
+        costs, state, c = self.timer.costs, self.state, self.counters
+        if not costs.ready:  # the profile timed nothing: fixed trees until steps are
+            return Choice(scheduled.copy(), True, 0.0)
+        if not state["drafted"]:  # drafts the drafter did not make this time: stale
+            return Choice(np.zeros_like(scheduled), False, 0.0)
+        logprobs = self.scores.latest()[slots]
+        eligible = np.arange(logprobs.shape[1])[None, :] < scheduled[:, None]
+        acceptance = np.where(eligible, self.calibration.probabilities(logprobs), 0.0)
+        choice = choose_nodes(acceptance, num_sampling, num_non_draft, costs,
+                              explore=state["probe"])
+        if choice.drafting:
+            state.update(drafting=True, wait=PROBE_AFTER[0],
+                         widest=int(choice.nodes.max(initial=0)))
+        else:  # paused; each probe that finds nothing worth drafting waits twice as long
+            state.update(drafting=False, probe_in=state["wait"],
+                         wait=min(2 * state["wait"], PROBE_AFTER[1]))
+        total = int(choice.nodes.sum())
+        c["steps"] += 1
+        c["nodes"] += total
+        c["predicted"] += choice.predicted
+        c["max_nodes"] = max(c["max_nodes"], total)
+        if total:  # the smallest step that verified drafts
+            c["min_nodes"] = min(c["min_nodes"] or total, total)
+        return choice
+
+    def compact_batch(self, num_draft_tokens_per_req: np.ndarray,
+                      num_scheduled_tokens: np.ndarray,
+                      cu_num_logits_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The exact per-request token counts and cu_num_logits (in the runner's order,
+        which get_num_tokens computed the same way)."""
+        assert self._batch is not None and len(self._batch[1]) == len(num_scheduled_tokens)
+        nodes = self._batch[1]
+        cu = np.zeros_like(cu_num_logits_np)
+        np.cumsum(nodes + 1, out=cu[1:])
+        return num_scheduled_tokens - num_draft_tokens_per_req + nodes, cu
+
+    def reallocate_drafts(self, req_ids: list[str], idx_mapping: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, int, None]:
+        """The device's cu_num_logits from the host's (query_start_loc already is)."""
+        batch, self._batch = self._batch, None
+        assert batch is not None and batch[0] == req_ids, "the runner's request order changed"
+        num_reqs, nodes = len(req_ids), batch[1]
+        cu = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(nodes + 1, out=cu[1:])
+        self._cu[:num_reqs + 1].copy_(torch.from_numpy(cu), non_blocking=True)
+        return (self._cu[:num_reqs + 1], self.runner.input_buffers.query_start_loc,
+                int(nodes.sum()), None)
+
+    def drafting(self, input_batch: Any) -> bool:
+        """At the drafter's start (the speculator's propose): whether it drafts trees; a
+        paused drafter probes once its wait is over."""
+        state = self.state
+        state["probe"] = False
+        if not state["drafting"] and state["profiled"]:
+            state["probe_in"] -= 1
+            self.counters["paused_steps"] += 1
+            if state["probe_in"] <= 0:
+                state.update(drafting=True, probe=True, widest=self.budget)
+                self.counters["probes"] += 1
+        self.timer.drafter_start(input_batch.num_tokens, input_batch.num_reqs,
+                                 state["drafting"])
+        state["drafted"] = state["drafting"]
+        return state["drafting"]
+
+    def drafts_to_schedule(self, width: int) -> int:
+        """How many drafts a request is scheduled next (patch 0013): none while paused,
+        else room to grow past the widest tree verified last."""
+        if not self.state["drafted"]:
+            return 0
+        return min(width, max(8, 2 * self.state["widest"]))
+
+    def record_confidences(self, confidence_probs: Any, input_batch: Any) -> None:
+        """After the drafter (the name is vLLM's): its scores and the calibration go to the
+        host; the step's times are taken."""
+        self.scores.publish()
+        self.calibration.host.publish()
+        self.realized.publish()
+        self.timer.step_end()
+        if time.monotonic() - self._logged >= _log_interval():
+            self._logged = time.monotonic()
+            _log(self.counters, float(self.realized.latest()[0]), self.timer.costs)
+
+    def observe(self, verdict: Any, input_batch: Any) -> None:
+        """In the verify step, on the device: the verified nodes' verdicts."""
+        cu = input_batch.cu_num_logits
+        node = torch.arange(1, self.budget + 1, device=cu.device)
+        verified = node[None, :] < (cu[1:] - cu[:-1])[:, None]
+        path = verdict.accepted.long().clamp(min=0)
+        accepted = torch.zeros(path.shape[0], self.budget + 1, dtype=torch.bool,
+                               device=cu.device).scatter_(1, path, True)[:, 1:]
+        scores = self.trees.scores[input_batch.idx_mapping]
+        self.calibration.observe(scores, verified, accepted)
+        # Off the greedy chain: an accepted node less probable than its depth's best.
+        depths = self.trees.depths[input_batch.idx_mapping, 1:].long().clamp(min=0)
+        best = torch.full((scores.shape[0], self.budget + 1), float("-inf"),
+                          device=cu.device).scatter_reduce(1, depths, scores, "amax")
+        off = accepted & (scores < best.gather(1, depths) - 1e-6)
+        self._realized[0] += verdict.num_accepted.sum()
+        self._realized[1] += off.any(dim=1).sum()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, the costs and the calibration (reads the device: not in a step)."""
+        c = dict(self.counters)
+        c["realized"] = float(self._realized[0])
+        c["paths_off_the_greedy_chain"] = float(self._realized[1])
+        c["costs"] = self.timer.costs.summary()
+        c["calibration"] = [round(float(r), 4) for r in self.calibration.rates()[:16]]
+        return c
+
+
+def _log_interval() -> float:
+    import vllm.envs as envs
+
+    return envs.VLLM_LOG_STATS_INTERVAL
+
+
+def _log(c: dict[str, Any], realized: float, costs: StepCosts) -> None:
+    """At vLLM's stats interval: what was chosen and what it cost."""
+    from vllm_ddtree import logger
+
+    steps = max(c["steps"], 1)
+    logger.info(
+        "Adaptive trees: %d verify steps, %d paused (%d probes), nodes per step %.1f "
+        "(min %s, max %d), accepted drafts per step %.2f expected, %.2f realized; costs %s",
+        c["steps"], c["paused_steps"], c["probes"], c["nodes"] / steps, c["min_nodes"],
+        c["max_nodes"], c["predicted"] / steps, realized / steps, costs.summary())

@@ -245,7 +245,36 @@ def markdown(results: list[dict], identical: bool, chain: dict[int, float]) -> s
             cells += [""] * (8 - len(cells))
             lines.append(f"| {r['mode']} | {r['concurrency']} | " + " | ".join(cells) + " |")
     lines += ["", f"Greedy outputs identical across modes: {'yes' if identical else 'NO'}"]
-    return "\n".join(lines + speed_vs_chain(results)) + "\n"
+    return "\n".join(lines + speed_vs_chain(results) + adaptive_vs_best(results)) + "\n"
+
+
+def adaptive_vs_best(results: list[dict]) -> list[str]:
+    """Each adaptive mode's tokens/s over the fastest other mode and over no speculation,
+    per concurrency, and issue 53's goals: at least 0.97x the fastest other mode at every
+    concurrency; the JetSpec head's at least 1.15x no speculation at the lowest."""
+    rate = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in results}
+    concs = sorted({c for _, c in rate})
+    adaptive = list(dict.fromkeys(m for m, _ in rate if "adaptive" in m))
+    if not adaptive:
+        return []
+    lines = ["", "Adaptive trees' tokens/s over the fastest other mode (named) and over no "
+                 "speculation:", "", "| mode | conc. | fastest other | x fastest | x none | "
+                 "goal |", "|---|---|---|---|---|---|"]
+    for mode in adaptive:
+        for c in concs:
+            others = {m: v for (m, cc), v in rate.items() if cc == c and "adaptive" not in m}
+            if (mode, c) not in rate or not others:
+                continue
+            best = max(others, key=others.get)
+            x_best = rate[(mode, c)] / others[best]
+            x_none = rate[(mode, c)] / others["none"] if "none" in others else None
+            met = x_best >= 0.97 and (not mode.startswith("jetspec") or c != concs[0]
+                                      or (x_none or 0) >= 1.15)
+            lines.append(f"| {mode} | {c} | {best} | {x_best:.2f}x | "
+                         + (f"{x_none:.2f}x" if x_none else "-")
+                         + f" | {'met' if met else 'not met'} |")
+    return lines + ["", "Goals: >= 0.97x the fastest other mode at every concurrency; the "
+                        f"JetSpec head's >= 1.15x no speculation at concurrency {concs[0]}."]
 
 
 def speed_vs_chain(results: list[dict]) -> list[str]:
@@ -341,7 +370,21 @@ def main() -> int:
                              "cap (tree_budget)")
     parser.add_argument("--modes", nargs="*", help="run only these modes (names as printed)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="write OUT/acceptance.md and the plots again from a run's "
+                             "acceptance.json (no run)")
     args = parser.parse_args()
+    if args.render:
+        run = json.loads(args.render.read_text())
+        results, identical = run["results"], run["identical_greedy_outputs"]
+        chain = {r["concurrency"]: r["acceptance_length"] for r in results
+                 if r["mode"] == "dflash"}
+        for c in {r["concurrency"] for r in results}:
+            chain.setdefault(c, 1.0)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "acceptance.md").write_text(markdown(results, identical, chain))
+        plots(results, run["args"]["budgets"], args.out)
+        return 0
     args.target = args.target or str(args.pair / "target")
     args.drafter = args.drafter or str(args.pair / "drafter")
     prompts = json.loads((args.prompts or args.pair / "heldout_prompts.json").read_text())

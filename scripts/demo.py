@@ -1,7 +1,9 @@
-"""DDTree next to vLLM's DFlash chain, through `vllm serve` on 127.0.0.1 (scripts/demo.sh sets
-up the environment and runs this): serve the target with method "ddtree", then with method
-"dflash" (the same drafter, drafting a chain as deep as the tree), send each the same greedy
-request, print the reply and, side by side, what each method got per target forward.
+"""DDTree next to vLLM's DFlash chain and to no speculation, through `vllm serve` on
+127.0.0.1 (scripts/demo.sh sets up the environment and runs this): serve the target with
+method "ddtree" (adaptive trees, `enable_adaptive_verification`; --fixed for a fixed
+budget), with method "dflash" (the same drafter, drafting a chain as deep as the tree), and
+alone; send each a short warm-up request, then the same greedy request, print the reply and,
+side by side, tokens/s, the reply time and what each got per target forward.
 
 With no --target it serves the trained tiny pair shipped in models/tiny-pair (checked
 against its SHA256SUMS first) with a completion request: a Python prefix, continued in the
@@ -85,45 +87,60 @@ def stop(server: subprocess.Popen) -> None:
             server.wait()
 
 
-def serve_and_ask(args: argparse.Namespace, spec: dict, request: tuple[str, dict]) -> dict:
-    """Start `vllm serve` with ``spec``, send the request, read the speculative counters."""
+def serve_and_ask(args: argparse.Namespace, spec: dict | None,
+                  request: tuple[str, dict]) -> dict:
+    """Start `vllm serve` with ``spec`` (None: no speculation), send a warm-up request then
+    the request, read the speculative counters."""
     base = f"http://127.0.0.1:{args.port}"
+    flags = ["--speculative-config", json.dumps(spec)] if spec else []
     cmd = [str(REPO / ".venv/bin/vllm"), "serve", str(args.target), "--host", "127.0.0.1",
-           "--port", str(args.port), "--served-model-name", "demo",
-           "--speculative-config", json.dumps(spec), *args.extra]
-    fd, name = tempfile.mkstemp(prefix=f"vllm-ddtree-demo-{spec['method']}.", suffix=".log")
+           "--port", str(args.port), "--served-model-name", "demo", *flags, *args.extra]
+    method = spec["method"] if spec else "none"
+    fd, name = tempfile.mkstemp(prefix=f"vllm-ddtree-demo-{method}.", suffix=".log")
     log = Path(name)
-    print(f"[demo] vllm serve {args.target} --speculative-config '{json.dumps(spec)}' "
-          f"(log: {log})", flush=True)
+    print(f"[demo] vllm serve {args.target} {' '.join(flags[:1])} "
+          f"{repr(flags[1]) if spec else ''} (log: {log})", flush=True)
     server = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True)
     os.close(fd)
     try:
         wait_healthy(base, server, log)
         path, body = request
-        req = urllib.request.Request(base + path, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+
+        def ask(body: dict) -> dict:
+            req = urllib.request.Request(base + path, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            return json.load(urllib.request.urlopen(req, timeout=600))
+
+        # The first steps of a server are not its speed (adaptive trees profile the step
+        # then): a short request first, then the timed one.
+        ask(body | {"max_tokens": 8})
+        before = metric_totals(base)
         t0 = time.monotonic()
-        reply = json.load(urllib.request.urlopen(req, timeout=600))
+        reply = ask(body)
         seconds = time.monotonic() - t0
         choice = reply["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
+        after = metric_totals(base)
         return {"text": text, "tokens": reply["usage"]["completion_tokens"],
-                "seconds": seconds, **metric_totals(base)}
+                "seconds": seconds, **{k: after[k] - before[k] for k in after}}
     finally:
         stop(server)
 
 
 def print_table(results: dict[str, dict]) -> None:
     def row(label: str, fmt: str, value) -> None:
-        cells = "".join(f"{fmt.format(value(r)):>14}" for r in results.values())
+        cells = "".join(f"{fmt.format(value(r)):>16}" for r in results.values())
         print(f"[demo] {label:<34}{cells}")
 
-    print(f"[demo] {'':<34}" + "".join(f"{name:>14}" for name in results))
-    row("nodes drafted per step", "{:.0f}", lambda r: r["draft_tokens"] / r["drafts"])
-    row("verify steps", "{:.0f}", lambda r: r["drafts"])
-    row("accepted tokens per step", "{:.2f}", lambda r: r["accepted_tokens"] / r["drafts"])
-    row("tokens per target forward", "{:.2f}", lambda r: 1 + r["accepted_tokens"] / r["drafts"])
-    row("reply time, s", "{:.1f}", lambda r: r["seconds"])
+    def per_step(r: dict, name: str) -> float:
+        return r[name] / r["drafts"] if r["drafts"] else 0.0
+
+    print(f"[demo] {'':<34}" + "".join(f"{name:>16}" for name in results))
+    row("tokens/s", "{:.1f}", lambda r: r["tokens"] / r["seconds"])
+    row("reply time, s", "{:.2f}", lambda r: r["seconds"])
+    row("tokens per target forward", "{:.2f}", lambda r: 1 + per_step(r, "accepted_tokens"))
+    row("steps with drafts scheduled", "{:.0f}", lambda r: r["drafts"])
+    row("drafts scheduled per step", "{:.0f}", lambda r: per_step(r, "draft_tokens"))
 
 
 def main() -> None:
@@ -134,7 +151,10 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prompt")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--budget", type=int, default=64, help="ddtree's tree_budget (nodes)")
+    p.add_argument("--budget", type=int, default=64,
+                   help="ddtree's tree_budget (nodes; with adaptive trees, the cap)")
+    p.add_argument("--fixed", action="store_true",
+                   help="ddtree with a fixed budget, not adaptive trees")
     args = p.parse_args()
     if args.target is None:
         check_shipped(SHIPPED)
@@ -155,22 +175,28 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         args.extra = ["--enforce-eager", "--max-model-len", "1024"]
     depth = json.loads((args.drafter / "config.json").read_text())["block_size"] - 1
-    specs = {"ddtree": {"method": "ddtree", "model": str(args.drafter),
-                        "tree_budget": args.budget},
+    tree = {"method": "ddtree", "model": str(args.drafter), "tree_budget": args.budget}
+    if not args.fixed:
+        tree["enable_adaptive_verification"] = True
+    specs = {"none": None,
              "dflash chain": {"method": "dflash", "model": str(args.drafter),
-                              "num_speculative_tokens": depth}}
+                              "num_speculative_tokens": depth},
+             "ddtree" + ("" if args.fixed else " adaptive"): tree}
     results = {name: serve_and_ask(args, spec, request) for name, spec in specs.items()}
 
-    tree, chain = results["ddtree"], results["dflash chain"]
-    same = "the same reply from both" if tree["text"] == chain["text"] else \
-        "the chain's reply DIFFERS"
-    print(f"[demo] prompt and reply ({tree['tokens']} tokens, greedy; {same}):")
-    print(prompt + tree["text"] if request[0] == "/v1/completions" else tree["text"])
+    texts = {r["text"] for r in results.values()}
+    same = "the same reply from all three" if len(texts) == 1 else "the replies DIFFER"
+    tree_result = results[list(specs)[-1]]
+    print(f"[demo] prompt and reply ({tree_result['tokens']} tokens, greedy; {same}):")
+    print(prompt + tree_result["text"] if request[0] == "/v1/completions"
+          else tree_result["text"])
     print("[demo] ---")
     print_table(results)
-    print(f"[demo] ddtree: a tree of {args.budget} nodes, depth {depth}; dflash chain: "
-          f"{depth} tokens. Reply times on a CPU count the tree's extra nodes at full cost; "
-          "on a GPU they cost little (docs/benchmarks.md).")
+    kind = (f"a tree of {args.budget} nodes" if args.fixed else
+            f"adaptive trees of up to {args.budget} nodes, sized each step from the measured "
+            "step cost, or none")
+    print(f"[demo] ddtree: {kind}, depth {depth}; dflash chain: {depth} tokens. On a CPU a "
+          "drafted token costs a target token's compute; on a GPU little (docs/benchmarks.md).")
 
 
 if __name__ == "__main__":

@@ -188,3 +188,34 @@ def test_measured_costs_are_profiled_then_kept_current() -> None:
     assert {1, 2, 4} <= set(sizes) and all(ms > 0 for _, ms in measured["verify_ms_by_tokens"])
     assert measured["draft_ms_by_requests"] and measured["paused_draft_ms_by_requests"]
     assert measured["rest_ms"]["drafting"] is not None  # only served steps measure it
+
+
+@pytest.mark.slow
+def test_processed_and_structured_requests_are_cut_losslessly() -> None:
+    """Requests that draft chains (penalties, bad words; a regex, a JSON schema: vLLM's
+    processing and grammar masks along the drafts in order) batched with plain, min_tokens
+    and allowed_token_ids ones: their chains are cut to prefixes like trees, and output
+    equals the target alone's with the same parameters."""
+    import re
+
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    regex = r"[a-z]+( [a-z]+)*"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    extra = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8),
+             dict(bad_words=[" the", " a"]), dict(min_tokens=8),
+             dict(allowed_token_ids=list(range(0, 1024, 3))),
+             dict(structured_outputs=StructuredOutputsParams(regex=regex)),
+             dict(structured_outputs=StructuredOutputsParams(json=schema)), {}]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, **kw) for kw in extra]
+    alone = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
+                dtype="float32", max_num_seqs=8).generate(PROMPTS, params, use_tqdm=False)
+    llm = adaptive_engine(adaptive_spec(), 8)
+    sizing = use_costs(llm, costs(per_token_ms=0.01, draft_ms=0.05))
+    cut = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in cut] == [
+        list(o.outputs[0].token_ids) for o in alone]
+    assert re.fullmatch(regex, cut[5].outputs[0].text), cut[5].outputs[0].text
+    chosen = sizing.stats()
+    assert chosen["realized"] > 0 and chosen["min_nodes"] < chosen["max_nodes"], chosen

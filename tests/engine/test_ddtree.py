@@ -397,7 +397,7 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
     read_out = ["__int__ in spec_decode/verifier.py:stats"] * 2
     if backend == "cpu-adaptive":
         assert sizing.counters["min_nodes"] < sizing.counters["max_nodes"]
-        read_out.append("__float__ in spec_decode/adaptive/sizing.py:stats")
+        read_out += ["__float__ in spec_decode/adaptive/sizing.py:stats"] * 2
     assert calls == read_out, calls
 
 

@@ -146,6 +146,17 @@ def test_prefix_caching_is_refused_on_hybrids(tiny_hybrid: Path) -> None:
                    speculative_config=tree_spec(tiny_hybrid, 4)).create_engine_config()
 
 
+def test_adaptive_trees_are_refused_on_hybrids(tiny_hybrid: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="enable_adaptive_verification: adaptive trees do not "
+                                         "serve hybrid"):
+        EngineArgs(model=str(tiny_hybrid / "target"), max_model_len=512, dtype="bfloat16",
+                   enable_prefix_caching=False,
+                   speculative_config=tree_spec(tiny_hybrid, 4) | {
+                       "enable_adaptive_verification": True}).create_engine_config()
+
+
 @pytest.mark.slow
 def test_chunked_prefill_preemption_and_aborts_stay_lossless(hybrid_baselines, monkeypatch
                                                              ) -> None:

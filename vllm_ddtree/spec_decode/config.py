@@ -116,6 +116,12 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                              f"false, got {options.adaptive!r}")
         options.adaptive = options.adaptive or bool(spec.enable_adaptive_verification)
         spec.enable_adaptive_verification = False
+        if options.adaptive and (target.is_hybrid or target.has_inner_state):
+            # vLLM's GDN metadata takes a step's verify lengths as uniform unless its own
+            # adaptive verification is on; trees of varying sizes are not checked there yet.
+            raise ValueError(f"speculative_config.enable_adaptive_verification: adaptive "
+                             f"trees do not serve hybrid (recurrent) targets yet "
+                             f"({target.model!r}); leave it false for a fixed tree_budget")
         spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
         # Synthetic acceptance (benchmarking only): per-depth rates, padded for vLLM's
         # check; a config set up before keeps its padded rates.
@@ -177,8 +183,12 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         return super().num_lookahead_tokens if depth is None else depth + 1
 
     def max_num_draft_seqs(self, max_num_batched_tokens: int) -> int:
-        # A verify step takes tree_budget + 1 tokens a request; the drafter fewer.
-        return max_num_batched_tokens // (self.num_speculative_tokens + 1)
+        # A verify step takes tree_budget + 1 tokens a request; the drafter fewer. Adaptive
+        # trees schedule what fits (AdaptiveTreeSizing.drafts_to_schedule): the drafter's
+        # query pass, tree_depth + 1 tokens a request, is the bound.
+        options = tree_options(self.spec_config)
+        per_request = options.tree_depth if options.adaptive else self.num_speculative_tokens
+        return max_num_batched_tokens // ((per_request or self.num_speculative_tokens) + 1)
 
     def hash_factors(self) -> list[Any]:
         options = self.spec_config.speculator_options or {}

@@ -206,15 +206,17 @@ class AdaptiveTreeSizing:
                 self.counters["probes"] += 1
         self.timer.drafter_start(input_batch.num_tokens, input_batch.num_reqs,
                                  state["drafting"])
-        state["drafted"] = state["drafting"]
+        state.update(drafted=state["drafting"], requests=input_batch.num_reqs)
         return state["drafting"]
 
     def drafts_to_schedule(self, width: int) -> int:
         """How many drafts a request is scheduled next (patch 0013): none while paused,
-        else room to grow past the widest tree verified last."""
+        else room to grow past the widest tree verified last, within half the step's token
+        budget (the rest admits waiting requests' prompts)."""
         if not self.state["drafted"]:
             return 0
-        return min(width, max(8, 2 * self.state["widest"]))
+        share = self.runner.max_num_tokens // (2 * max(self.state.get("requests", 1), 1))
+        return max(min(width, 2 * self.state["widest"], share - 1), min(width, 8))
 
     def record_confidences(self, confidence_probs: Any, input_batch: Any) -> None:
         """After the drafter (the name is vLLM's): its scores and the calibration go to the

@@ -100,14 +100,18 @@ def test_cost_curves_interpolate_rise_and_skip_outliers() -> None:
     middle = curve.at(np.array([100]))[0]
     assert 3.0 < middle < 11.0
     assert curve.at(np.array([512]))[0] > 11.0  # extended by the last slope
-    # A served sample far above its bucket (an idle gap) is dropped once the bucket holds
-    # a few; a moderate one moves the bucket by the smoothing weight.
-    for _ in range(3):
-        curve.add(16, 3.0)
-    curve.add(16, 100.0)
-    assert curve.at(np.array([16]))[0] == pytest.approx(3.0)
+    # Served samples: the first moves a profiled bucket halfway, the next by a third, ...;
+    # one far above its bucket (an idle gap) is dropped once the bucket has served three.
     curve.add(16, 5.0)
-    assert curve.at(np.array([16]))[0] == pytest.approx(3.2)
+    assert curve.at(np.array([16]))[0] == pytest.approx(4.0)
+    for _ in range(2):
+        curve.add(16, 4.0)
+    curve.add(16, 100.0)
+    assert curve.at(np.array([16]))[0] == pytest.approx(4.0)
+    for _ in range(20):
+        curve.add(16, 4.0)
+    curve.add(16, 5.0)  # by the smoothing weight, 0.1, at last
+    assert curve.at(np.array([16]))[0] == pytest.approx(4.1)
     dipping = CostCurve()
     for size, ms in ((1, 4.0), (64, 2.0)):
         dipping.add(size, ms, trusted=True)

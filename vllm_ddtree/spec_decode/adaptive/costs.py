@@ -41,15 +41,19 @@ class CostCurve:
         return round(BUCKETS_PER_OCTAVE * math.log2(max(size, 1)))
 
     def add(self, size: int, ms: float, trusted: bool = False) -> None:
+        """A sample: ``trusted`` (the start-up profile's medians) sets a bucket; a served
+        step moves it, its first ones most (a served step costs what no dummy run times:
+        sampling every node, the walk), then by the smoothing weight."""
         key = self.bucket(size)
         old = self.points.get(key)
-        if old is None:
-            self.points[key], self.counts[key] = ms, 1
+        if old is None or trusted:
+            self.points[key], self.counts[key] = ms, 0
             return
-        if not trusted and self.counts[key] >= 3 and ms > OUTLIER * old:
+        served = self.counts[key]
+        if served >= 3 and ms > OUTLIER * old:
             return  # an idle gap or a one-off (a compile): not the step's cost
-        self.points[key] = old + SMOOTHING * (ms - old)
-        self.counts[key] += 1
+        self.points[key] = old + max(SMOOTHING, 1 / (served + 2)) * (ms - old)
+        self.counts[key] = served + 1
 
     def __bool__(self) -> bool:
         return bool(self.points)

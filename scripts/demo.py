@@ -138,7 +138,7 @@ def print_table(results: dict[str, dict]) -> None:
     print(f"[demo] {'':<34}" + "".join(f"{name:>16}" for name in results))
     row("tokens/s", "{:.1f}", lambda r: r["tokens"] / r["seconds"])
     row("reply time, s", "{:.2f}", lambda r: r["seconds"])
-    row("tokens per target forward", "{:.2f}", lambda r: 1 + per_step(r, "accepted_tokens"))
+    row("tokens per target forward*", "{:.2f}", lambda r: 1 + per_step(r, "accepted_tokens"))
     row("steps with drafts scheduled", "{:.0f}", lambda r: r["drafts"])
     row("drafts scheduled per step", "{:.0f}", lambda r: per_step(r, "draft_tokens"))
 
@@ -197,6 +197,8 @@ def main() -> None:
             "step cost, or none")
     print(f"[demo] ddtree: {kind}, depth {depth}; dflash chain: {depth} tokens. On a CPU a "
           "drafted token costs a target token's compute; on a GPU little (docs/benchmarks.md).")
+    print("[demo] * in the steps that had drafts scheduled (adaptive trees verify none while "
+          "the drafter is paused).")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ step old) across all requests, and takes the node count ``k`` that maximizes
     (sampling requests + the k best nodes' acceptances) / step time(non-draft tokens + k)
 
 with the step time from the measured curves (costs.py). A request verifies the prefix of
-its tree that holds its admitted nodes (scores are non-increasing along build order), so a
-confident request verifies a bigger tree than an unsure one, and any may verify none. The
+its tree that holds its admitted nodes (its nodes are numbered most probable first:
+reorder.py), so a confident request verifies a bigger tree than an unsure one, and any may
+verify none. The
 host and device layouts stay the same (``compact_batch`` gives the exact counts), so that
 chunked node sampling and logprobs read the host's layout as they do for fixed trees.
 
@@ -18,7 +19,8 @@ When not drafting at all beats the best ``k`` (the drafter's cost saved too), th
 verifies nothing and the drafter pauses: it still stores the accepted tokens' context (V2's
 DFlash drafter with ``num_speculative_tokens=0``), so its context is right when it drafts
 again, the scheduler is told to schedule no drafts (``drafts_to_schedule``), and it probes
-(drafts one tree) after 4, 8, ... up to 64 paused steps.
+(drafts one tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused
+steps.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
     never see."""
     num_reqs, width = acceptance.shape
     flat = acceptance.ravel()
-    order = np.argsort(-flat, kind="stable")  # ties keep build order: prefixes
+    order = np.argsort(-flat, kind="stable")  # ties keep node order: prefixes
     order = order[flat[order] > 0]
     gains = num_sampling + np.concatenate(([0.0], np.cumsum(flat[order])))
     counts = num_non_draft + np.arange(len(gains))

@@ -53,6 +53,31 @@ def oracle_tree_logits(continuations: dict[tuple, list[int]], seed: int):
     return draft_logits_at
 
 
+def fixed_step_costs(per_token_ms: float, draft_ms: float, base_ms: float = 5.0):
+    """Adaptive trees' step costs for a test (vllm_ddtree/spec_decode/adaptive/costs.py):
+    verify steps of base_ms + per_token_ms a token (a step's fixed cost dominating, as on a
+    GPU at low concurrency), the drafter draft_ms (0.01 ms paused), nothing else."""
+    from vllm_ddtree.spec_decode.adaptive.costs import StepCosts
+
+    out = StepCosts()
+    for n in (1, 4, 16, 64, 256, 1024):
+        out.verify.add(n, base_ms + per_token_ms * n, trusted=True)
+    for n in (1, 64):
+        out.draft.add(n, draft_ms, trusted=True)
+        out.paused_draft.add(n, 0.01, trusted=True)
+    out.rest_ms = {True: 0.0, False: 0.0}
+    return out
+
+
+def use_step_costs(runner, step_costs) -> object:  # noqa: ANN001
+    """The runner's adaptive trees read ``step_costs``, not measured ones, from now on."""
+    sizing = runner.adaptive_verification
+    sizing.state["profiled"] = True
+    sizing.timer.learn = False
+    sizing.timer.costs = step_costs
+    return sizing
+
+
 def windowed_pair(tiny_models: Path, out: Path, window: int) -> Path:
     """The tiny pair with every target layer attending through a sliding window (Qwen3's
     own config fields), as Mistral-style and gpt-oss's windowed layers do."""

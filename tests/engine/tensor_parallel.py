@@ -64,7 +64,17 @@ def record_verdicts(worker):
     tree_verifier.counters.count = logged
 
 
+def fixed_costs(worker, per_token_ms, draft_ms):
+    # Adaptive trees' step costs, the same on both ranks (engine_helpers.py).
+    from engine_helpers import fixed_step_costs, use_step_costs
+
+    use_step_costs(getattr(worker, "worker", worker).model_runner,
+                   fixed_step_costs(per_token_ms, draft_ms))
+
+
 prompts = run["prompts"]
+if run.get("costs"):
+    llm.collective_rpc(fixed_costs, args=tuple(run["costs"]))
 if run.get("oracle"):
     encode = llm.get_tokenizer().encode
     llm.collective_rpc(install_oracle, args=(
@@ -91,8 +101,9 @@ def run_tp2(executor: str, model: Path, spec: dict | None, prompts: list[str],
             max_tokens: int, **run: object) -> dict:
     """``executor``: "mp" or "ray"; ``model``: a folder of target/ and drafter/.
     ``oracle``: the drafter knows each prompt's greedy continuation (these token lists);
-    ``sample``: each rank's verdicts at temperature 1; ``engine``: the LLM's other
-    settings (float32 unless given)."""
+    ``sample``: each rank's verdicts at temperature 1; ``costs``: adaptive trees' step
+    costs, [ms a verify token, ms a draft] (engine_helpers.fixed_step_costs); ``engine``:
+    the LLM's other settings (float32 unless given)."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc sends functions
            "PYTHONPATH": str(REPO / "tests"),  # the ranks import engine_helpers

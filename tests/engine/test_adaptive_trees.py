@@ -23,19 +23,10 @@ def adaptive_spec(drafter: str = "drafter", cap: int = 64, **fields: object) -> 
             "enable_adaptive_verification": True, **fields}
 
 
-def costs(per_token_ms: float, draft_ms: float, base_ms: float = 5.0):
-    """Verify steps of base_ms + per_token_ms a token (a step's fixed cost dominating, as
-    on a GPU at low concurrency), the drafter draft_ms (0.01 ms paused)."""
-    from vllm_ddtree.spec_decode.adaptive.costs import StepCosts
+def costs(per_token_ms: float, draft_ms: float):
+    from engine_helpers import fixed_step_costs
 
-    out = StepCosts()
-    for n in (1, 4, 16, 64, 256, 1024):
-        out.verify.add(n, base_ms + per_token_ms * n, trusted=True)
-    for n in (1, 64):
-        out.draft.add(n, draft_ms, trusted=True)
-        out.paused_draft.add(n, 0.01, trusted=True)
-    out.rest_ms = {True: 0.0, False: 0.0}
-    return out
+    return fixed_step_costs(per_token_ms, draft_ms)
 
 
 def sizing_of(llm: object):
@@ -46,11 +37,10 @@ def sizing_of(llm: object):
 
 def use_costs(llm: object, step_costs: object) -> object:
     """The engine's sizing reads ``step_costs``, not measured ones, from now on."""
-    sizing = sizing_of(llm)
-    sizing.state["profiled"] = True
-    sizing.timer.learn = False
-    sizing.timer.costs = step_costs
-    return sizing
+    from engine_helpers import use_step_costs
+
+    return use_step_costs(llm.llm_engine.engine_core.engine_core.model_executor
+                          .driver_worker.worker.model_runner, step_costs)
 
 
 def target_alone(prompts: list[str], max_tokens: int = 40) -> dict[str, list[int]]:
@@ -219,3 +209,21 @@ def test_processed_and_structured_requests_are_cut_losslessly() -> None:
     assert re.fullmatch(regex, cut[5].outputs[0].text), cut[5].outputs[0].text
     chosen = sizing.stats()
     assert chosen["realized"] > 0 and chosen["min_nodes"] < chosen["max_nodes"], chosen
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_ranks_choose_alike() -> None:
+    """Two ranks (worker processes) each size the step's trees: with the same costs and the
+    same verdicts they choose alike at every step (their whole adaptive stats equal, and
+    their verdicts at temperature 1), and greedy output is the target's own."""
+    from tensor_parallel import run_tp2
+
+    alone = run_tp2("mp", PAIR, None, PROMPTS, 32)
+    trees = run_tp2("mp", PAIR, adaptive_spec(cap=16), PROMPTS, 32, sample=True,
+                    costs=[0.01, 0.05])
+    assert trees["greedy"] == alone["greedy"]
+    rank0, rank1 = trees["stats"]
+    assert rank0 == rank1 and rank0["longest_accepted"] >= 3, trees["stats"]
+    assert 0 < rank0["adaptive"]["min_nodes"] < rank0["adaptive"]["max_nodes"], rank0
+    verdicts0, verdicts1 = trees["verdicts"]
+    assert len(verdicts0) > 3 and verdicts0 == verdicts1

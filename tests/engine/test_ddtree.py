@@ -365,9 +365,11 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
     llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
               dtype="float32", max_num_seqs=8, speculative_config=spec)
     if backend == "cpu-adaptive":
-        from test_adaptive_trees import costs, use_costs
+        from engine_helpers import fixed_step_costs, use_step_costs
 
-        sizing = use_costs(llm, costs(per_token_ms=0.01, draft_ms=0.05))
+        sizing = use_step_costs(llm.llm_engine.engine_core.engine_core.model_executor
+                                .driver_worker.worker.model_runner,
+                                fixed_step_costs(per_token_ms=0.01, draft_ms=0.05))
     for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__",
                  "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, record(name, getattr(torch.Tensor, name)))

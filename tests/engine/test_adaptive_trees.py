@@ -227,3 +227,60 @@ def test_tensor_parallel_2_ranks_choose_alike() -> None:
     assert 0 < rank0["adaptive"]["min_nodes"] < rank0["adaptive"]["max_nodes"], rank0
     verdicts0, verdicts1 = trees["verdicts"]
     assert len(verdicts0) > 3 and verdicts0 == verdicts1
+
+
+@pytest.mark.slow
+def test_a_paused_drafter_drafts_as_one_that_never_paused(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """While paused, the drafter stores each committed token's context itself (from the
+    runner's slot mappings, DFlash's input preparation skipped): after the pause it drafts,
+    at every position, what a drafter that never paused drafts there (its greedy chain per
+    depth; float32, one request), so the context it stored is DFlash's own."""
+    import gc
+
+    from vllm import SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from vllm_ddtree.spec_decode.speculator import DDTreeSpeculator
+
+    drafted: dict[int, tuple] = {}
+    generate_draft = DDTreeSpeculator._generate_draft
+
+    def recording(self, num_reqs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        generate_draft(self, num_reqs, *args, **kwargs)
+        if num_reqs == 1:  # the root's position: the first sample's, less one
+            drafted[int(self.sample_pos[0]) - 1] = tuple(self._greedy.tolist())
+
+    def greedy_of(self, hidden_states):  # noqa: ANN001, ANN202
+        logits = self.model.compute_logits(hidden_states)
+        self._greedy = logits.argmax(dim=-1)
+        return logits
+
+    monkeypatch.setattr(DDTreeSpeculator, "_generate_draft", recording)
+    monkeypatch.setattr(DDTreeSpeculator, "draft_logits_at", greedy_of)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for pause in (False, True):
+        drafted.clear()
+        cleanup_dist_env_and_memory()  # the engine before, in this process
+        llm = adaptive_engine(adaptive_spec(cap=16), 1)
+        sizing = use_costs(llm, costs(per_token_ms=0.01, draft_ms=0.05))
+        engine = llm.llm_engine
+        engine.add_request("r", PROMPTS[0], params)
+        for step in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            if pause and step in (4, 20):  # paused in between, then drafting again
+                sizing.timer.costs = costs(per_token_ms=0.01,
+                                           draft_ms=100.0 if step == 4 else 0.05)
+            engine.step()
+        runs.append(dict(drafted))
+        if pause:
+            assert sizing.stats()["paused_steps"] >= 8
+        del llm, engine, sizing  # shut down before the next engine starts in this process
+        gc.collect()
+    never, paused = runs
+    resumed = [p for p in paused if p in never and p > min(never) + 20]
+    assert len(resumed) >= 5, (sorted(never), sorted(paused))
+    same = sum(never[p] == paused[p] for p in resumed)
+    assert same >= 0.9 * len(resumed), [(p, never[p], paused[p]) for p in resumed]

@@ -127,8 +127,25 @@ class DDTreeSpeculator(DFlashSpeculator):
                 aux_hidden_states: list[torch.Tensor] | None, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
         self.verifier.commit_hidden_states([last_hidden_states, *(aux_hidden_states or [])])
-        if self.sizing is not None and not self.sizing.drafting(input_batch):
-            # Paused: DFlash stores the step's context and drafts nothing.
-            kwargs["num_speculative_tokens"] = 0
+        if self.sizing is not None and not self.sizing.drafting(input_batch) and \
+                not kwargs.get("dummy_run"):
+            self._store_context(input_batch, last_hidden_states, aux_hidden_states)
+            return self.draft_tokens[:input_batch.num_reqs]
         return super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                                aux_hidden_states, *args, **kwargs)
+
+    def _store_context(self, input_batch: Any, last_hidden_states: torch.Tensor,
+                       aux_hidden_states: list[torch.Tensor] | None) -> None:
+        """A paused drafter (adaptive trees) keeps its context: every row of a step without
+        drafts is committed, so the rows' context K/V go where the target's step put the
+        drafter's KV (the runner's slot mappings of its groups, at the step's positions),
+        which DFlash's input preparation would recompute (the drafter's query pass skipped,
+        as DFlash does with num_speculative_tokens=0)."""
+        num_tokens = input_batch.num_tokens
+        self._store_hidden_states(num_tokens, last_hidden_states, aux_hidden_states)
+        slots = [self.block_tables.slot_mappings[gid][:num_tokens]
+                 for gid in self.draft_kv_cache_group_ids]
+        self.model.precompute_and_store_context_kv(
+            self.hidden_states[:num_tokens], input_batch.positions[:num_tokens],
+            slots[0] if self._layer_group_idx is None
+            else [slots[g] for g in self._layer_group_idx])

@@ -127,15 +127,16 @@ class DDTreeSpeculator(DFlashSpeculator):
                 aux_hidden_states: list[torch.Tensor] | None, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
         self.verifier.commit_hidden_states([last_hidden_states, *(aux_hidden_states or [])])
-        if self.sizing is not None and not self.sizing.drafting(input_batch) and \
-                not kwargs.get("dummy_run"):
-            self._store_context(input_batch, last_hidden_states, aux_hidden_states)
+        if self.sizing is not None and not self.sizing.drafting(input_batch):
+            self._store_context(input_batch, last_hidden_states, aux_hidden_states,
+                                dummy_run=kwargs.get("dummy_run", False))
             return self.draft_tokens[:input_batch.num_reqs]
         return super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                                aux_hidden_states, *args, **kwargs)
 
     def _store_context(self, input_batch: Any, last_hidden_states: torch.Tensor,
-                       aux_hidden_states: list[torch.Tensor] | None) -> None:
+                       aux_hidden_states: list[torch.Tensor] | None,
+                       dummy_run: bool = False) -> None:
         """A paused drafter (adaptive trees) keeps its context: every row of a step without
         drafts is committed, so the rows' context K/V go where the target's step put the
         drafter's KV (the runner's slot mappings of its groups, at the step's positions),
@@ -147,5 +148,6 @@ class DDTreeSpeculator(DFlashSpeculator):
                  for gid in self.draft_kv_cache_group_ids]
         self.model.precompute_and_store_context_kv(
             self.hidden_states[:num_tokens], input_batch.positions[:num_tokens],
-            slots[0] if self._layer_group_idx is None
+            None if dummy_run  # a start-up profile's run: computed, not stored (DFlash's)
+            else slots[0] if self._layer_group_idx is None
             else [slots[g] for g in self._layer_group_idx])

@@ -16,11 +16,10 @@ host and device layouts stay the same (``compact_batch`` gives the exact counts)
 chunked node sampling and logprobs read the host's layout as they do for fixed trees.
 
 When not drafting at all beats the best ``k`` (the drafter's cost saved too), the step
-verifies nothing and the drafter pauses: it still stores the accepted tokens' context (V2's
-DFlash drafter with ``num_speculative_tokens=0``), so its context is right when it drafts
-again, the scheduler is told to schedule no drafts (``drafts_to_schedule``), and it probes
-(drafts one tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused
-steps.
+verifies nothing and the drafter pauses: it still stores the committed tokens' context
+(``DDTreeSpeculator._store_context``), so its context is right when it drafts again; the
+scheduler is told to schedule no drafts (``drafts_to_schedule``); and it probes (drafts one
+tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused steps.
 """
 
 from __future__ import annotations

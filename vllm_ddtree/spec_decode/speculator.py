@@ -67,7 +67,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_idx_mapping = self.sample_idx_mapping[:rows]
         self.sample_col = self.sample_col.view(self.max_num_reqs, -1)[:, :self.depth].flatten()
         # draft_tokens stays [max_num_reqs, tree_budget]: the trees' nodes below the root.
-        self.trees = TreeStore(self.max_num_reqs, self.budget, self.depth, device)
+        self.trees = TreeStore(self.max_num_reqs, self.budget, self.depth, device,
+                               scored=self.by_score)
         self.verifier = TreeVerifier(self.trees, self.budget, self.depth,
                                      vllm_config.speculative_config)
         if device.type == "cpu":

@@ -23,7 +23,7 @@ class TreeStore:
     store (its masks and depths are the store's tensors) with the step's pointers."""
 
     def __init__(self, max_num_reqs: int, budget: int, depth: int,
-                 device: torch.device) -> None:
+                 device: torch.device, scored: bool = False) -> None:
         rows, nodes = max_num_reqs + 1, budget + 1
 
         def links() -> torch.Tensor:
@@ -34,9 +34,10 @@ class TreeStore:
         self.depths = torch.zeros(rows, nodes, dtype=torch.int32, device=device)
         self.ancestor_mask = torch.zeros(rows, nodes, mask_words(nodes), dtype=torch.int32,
                                          device=device)
-        # Each node's path log-probability under the drafter, made non-increasing along
-        # the node order (adaptive trees verify prefixes; adaptive/reorder.py).
-        self.scores = torch.zeros(rows, budget, dtype=torch.float32, device=device)
+        # Adaptive trees only (``scored``): each node's path log-probability under the
+        # drafter, non-increasing along the node order (they verify prefixes; reorder.py).
+        self.scores = torch.zeros(rows, budget, dtype=torch.float32, device=device) \
+            if scored else None
         self.chain_only = torch.zeros(rows, dtype=torch.bool, device=device)
         self.chain = torch.zeros(rows, dtype=torch.bool, device=device)
         self.attention = TreeBatch.over(self.ancestor_mask, self.depths)
@@ -59,7 +60,8 @@ class TreeStore:
         self.depths[slots] = torch.where(rows, self._chain_depths, trees.depths)
         self.ancestor_mask[slots] = trees.ancestor_mask
         self.chain[slots] = chain
-        self.scores[slots] = self._scores(trees, rows)
+        if self.scores is not None:
+            self.scores[slots] = self._scores(trees, rows)
         return drafts
 
     def saved(self) -> list[torch.Tensor]:
@@ -72,8 +74,8 @@ class TreeStore:
             t.copy_(old)
 
     def _drafted(self) -> list[torch.Tensor]:
-        return [self.first_child, self.next_sibling, self.parents, self.depths,
-                self.ancestor_mask, self.chain, self.scores]
+        return [t for t in (self.first_child, self.next_sibling, self.parents, self.depths,
+                            self.ancestor_mask, self.chain, self.scores) if t is not None]
 
     def _scores(self, trees: ops.DraftTrees, chain: torch.Tensor) -> torch.Tensor:
         """The nodes' path log-probs; a chain's node at depth d takes the best tree node's

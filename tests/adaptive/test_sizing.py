@@ -87,9 +87,21 @@ def test_no_drafts_and_a_paused_drafter_when_no_draft_pays() -> None:
     assert choose_nodes(acceptance, 4, 4, cheap).drafting
     # A probe's drafts are verified (the calibration must hear the target) though the
     # drafter stays paused.
+    # At about a chain step's cost: at most one node a request.
     probe = choose_nodes(acceptance, 4, 4, dear, explore=True)
-    assert not probe.drafting and probe.nodes.sum() > 0
+    assert not probe.drafting and 0 < probe.nodes.sum() <= 4
     assert not choose_nodes(np.zeros((4, 0)), 4, 4, dear, explore=True).nodes.any()
+
+
+def test_a_probe_resumes_drafting_only_by_a_margin() -> None:
+    """Drafting 7% faster than pausing (by the estimates) keeps a drafting drafter
+    drafting, but a probe does not resume it (RESUME_MARGIN: noisy estimates)."""
+    flat = costs_of({1: 1.0, 1024: 1.0}, {1: 0.4}, {1: 0.0})
+    acceptance = np.array([[0.5]])
+    assert choose_nodes(acceptance, 1, 1, flat).drafting
+    probe = choose_nodes(acceptance, 1, 1, flat, explore=True)
+    assert not probe.drafting and probe.nodes.tolist() == [1]
+    assert choose_nodes(np.array([[0.9]]), 1, 1, flat, explore=True).drafting
 
 
 def test_cost_curves_interpolate_rise_and_skip_outliers() -> None:
@@ -231,6 +243,41 @@ def test_reordered_trees_are_the_same_trees_most_probable_first(spine: bool,
         a = ops.verify_tree(built, choice, L)
         b = ops.verify_tree(tree, new_choice, L)
         assert torch.equal(a.output_tokens, b.output_tokens)
+
+
+@pytest.mark.parametrize("spine", [False, True])
+def test_a_narrower_build_is_the_wide_trees_best_nodes_padded(spine: bool) -> None:
+    """Adaptive trees build (eager) only as many nodes as the scheduler schedules next:
+    DDTree's best-first build at 8 nodes is the 24-node build's 8 most probable (without
+    the spine, which may force less probable nodes in), and padded to 24 its extra nodes
+    are unlinked, never verified (-inf), and the walk accepts what it did."""
+    from vllm_ddtree import ops
+    from vllm_ddtree.spec_decode.adaptive.reorder import by_score, padded
+    from vllm_ddtree.tree import mask_words
+
+    gen = torch.Generator().manual_seed(1)
+    R, L, V, B, b = 4, 6, 40, 24, 8
+    logits = torch.randn(R, L, V, generator=gen) * 3
+    roots = torch.randint(0, V, (R,), generator=gen)
+    wide = by_score(ops.build_tree_from_logits(roots, logits, B, spine))
+    narrow = by_score(ops.build_tree_from_logits(roots, logits, b, spine))
+    tree = padded(narrow, B)
+    assert tree.token_ids.shape == (R, B + 1) and tree.ancestor_mask.shape == (
+        R, B + 1, mask_words(B + 1))
+    assert torch.equal(tree.ancestor_mask[:, :b + 1, :narrow.ancestor_mask.shape[-1]],
+                       narrow.ancestor_mask)
+    assert not tree.ancestor_mask[:, b + 1:].any()
+    assert (tree.scores[:, b + 1:] == float("-inf")).all()
+    assert (tree.parents[:, b + 1:] == -1).all() and (tree.first_child[:, b + 1:] == -1).all()
+    assert (tree.first_child[:, :b + 1] <= b).all() and (tree.next_sibling <= b).all()
+    if not spine:
+        for r in range(R):
+            assert {_path(tree, r, i) for i in range(b + 1)} == {
+                _path(wide, r, i) for i in range(b + 1)}
+    for _ in range(10):
+        choice = torch.randint(0, V, (R, B + 1), generator=gen)
+        assert torch.equal(ops.verify_tree(tree, choice, L).output_tokens,
+                           ops.verify_tree(narrow, choice[:, :b + 1], L).output_tokens)
 
 
 def _bit(tree, r: int, i: int, j: int) -> bool:  # noqa: ANN001

@@ -23,9 +23,10 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention.features import refuse_quantized_kv_cache
-from vllm_ddtree.spec_decode.adaptive.reorder import by_score
+from vllm_ddtree.spec_decode.adaptive.reorder import by_score, padded
 from vllm_ddtree.spec_decode.model_state import install_model_state
 from vllm_ddtree.spec_decode.options import tree_options, tree_widths
+from vllm_ddtree.spec_decode.paused_context import PausedContext
 from vllm_ddtree.spec_decode.tree_store import TreeStore
 from vllm_ddtree.spec_decode.verifier import TreeVerifier
 
@@ -50,6 +51,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     def __init__(self, vllm_config: Any, device: torch.device, req_states: Any = None) -> None:
         self.req_states = req_states  # the runner's; read by tests' oracle drafters only
         self.sizing: Any = None  # adaptive trees (make_adaptive_verification)
+        self.paused_context: PausedContext | None = None  # adaptive trees, paused
         options = tree_options(vllm_config.speculative_config)
         # The base class sizes its buffers by num_speculative_tokens (tree_budget) drafter
         # steps; the drafter drafts tree_depth. Read before: _num_graph_context_tokens.
@@ -102,9 +104,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         step = self.num_query_per_req
         roots = self.input_buffers.input_ids[:num_reqs * step:step].to(torch.int64)
         logits = logits.view(num_reqs, self.depth, -1)
-        trees = ops.build_tree_from_logits(roots, logits, self.budget, self.spine, self.widths)
+        # Adaptive trees, eager: trees as wide as the scheduler schedules next (a captured
+        # draft step keeps the cap's shapes).
+        budget = self.budget
+        if self.sizing is not None and cudagraph_runtime_mode == CUDAGraphMode.NONE:
+            budget = self.sizing.build_budget()
+        trees = ops.build_tree_from_logits(roots, logits, budget, self.spine, self.widths)
         if self.by_score:
-            trees = by_score(trees)
+            trees = padded(by_score(trees), self.budget)
         slots = self.sample_idx_mapping[:num_reqs * self.depth:self.depth]
         self.draft_tokens[:num_reqs] = self.trees.write(slots, trees, logits.argmax(dim=-1))
 
@@ -132,6 +139,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             self._store_context(input_batch, last_hidden_states, aux_hidden_states,
                                 dummy_run=kwargs.get("dummy_run", False))
             return self.draft_tokens[:input_batch.num_reqs]
+        if self.paused_context is not None:  # drafting again: the context complete first
+            self.paused_context.flush(self._store_context_kv)
         return super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                                aux_hidden_states, *args, **kwargs)
 
@@ -141,14 +150,25 @@ class DDTreeSpeculator(DFlashSpeculator):
         """A paused drafter (adaptive trees) keeps its context: every row of a step without
         drafts is committed, so the rows' context K/V go where the target's step put the
         drafter's KV (the runner's slot mappings of its groups, at the step's positions),
-        which DFlash's input preparation would recompute (the drafter's query pass skipped,
-        as DFlash does with num_speculative_tokens=0)."""
-        num_tokens = input_batch.num_tokens
-        self._store_hidden_states(num_tokens, last_hidden_states, aux_hidden_states)
-        slots = [self.block_tables.slot_mappings[gid][:num_tokens]
-                 for gid in self.draft_kv_cache_group_ids]
+        as DFlash's input preparation would (the drafter's query pass skipped, as DFlash
+        does with num_speculative_tokens=0); queued and stored in batches
+        (paused_context.py)."""
+        n = input_batch.num_tokens
+        states = self.model.combine_hidden_states(
+            torch.cat([h[:n] for h in aux_hidden_states], dim=-1)) \
+            if aux_hidden_states else last_hidden_states[:n]
+        if dummy_run:  # a start-up profile's run: combined, not queued (DFlash's)
+            return
+        groups = self.draft_kv_cache_group_ids
+        if self.paused_context is None:
+            self.paused_context = PausedContext(self.max_num_tokens, self.hidden_size,
+                                                len(groups), self.dtype, self.device)
+        slots = [self.block_tables.slot_mappings[gid][:n] for gid in groups]
+        self.paused_context.add(states, input_batch.positions[:n], slots,
+                                input_batch.req_ids, self._store_context_kv)
+
+    def _store_context_kv(self, states: torch.Tensor, positions: torch.Tensor,
+                          slots: list[torch.Tensor]) -> None:
+        groups = self._layer_group_idx
         self.model.precompute_and_store_context_kv(
-            self.hidden_states[:num_tokens], input_batch.positions[:num_tokens],
-            None if dummy_run  # a start-up profile's run: computed, not stored (DFlash's)
-            else slots[0] if self._layer_group_idx is None
-            else [slots[g] for g in self._layer_group_idx])
+            states, positions, slots[0] if groups is None else [slots[g] for g in groups])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.tree import DraftTrees
+from vllm_ddtree.tree import DraftTrees, mask_words
 
 
 def by_score(trees: DraftTrees) -> DraftTrees:
@@ -31,6 +31,24 @@ def by_score(trees: DraftTrees) -> DraftTrees:
     return DraftTrees(moved(trees.token_ids), parents.to(i32), moved(trees.depths),
                       first_child.to(i32), next_sibling.to(i32),
                       _pack(bits, trees.ancestor_mask.shape[-1]), moved(trees.scores))
+
+
+def padded(trees: DraftTrees, budget: int) -> DraftTrees:
+    """Trees of fewer nodes, as trees of ``budget`` nodes below the root: the extra nodes
+    unlinked, never verified (a path log-prob of -inf)."""
+    R, N = trees.scores.shape
+    extra = budget + 1 - N
+    if extra <= 0:
+        return trees
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, extra), value=value)
+
+    words = mask_words(budget + 1) - trees.ancestor_mask.shape[-1]
+    mask = torch.nn.functional.pad(trees.ancestor_mask, (0, words, 0, extra))
+    return DraftTrees(pad(trees.token_ids, 0), pad(trees.parents, -1), pad(trees.depths, 0),
+                      pad(trees.first_child, -1), pad(trees.next_sibling, -1), mask,
+                      pad(trees.scores, float("-inf")))
 
 
 def _links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,6 +36,11 @@ from vllm_ddtree.spec_decode.adaptive.costs import StepCosts, StepTimer
 from vllm_ddtree.spec_decode.adaptive.host_copy import HostCopy
 
 PROBE_AFTER = (4, 64)  # paused steps before the first probe, and at most
+PROBE_WIDTH = 8  # the widest tree a probe verifies, as drafts_to_schedule reads it
+# How much faster drafting must look than pausing for a probe to resume it: the estimates
+# are noisy (a CPU's step times vary by 10% and more), and a resumption that does not pay
+# costs its drafting steps and restarts the probes' back-off.
+RESUME_MARGIN = 0.1
 PROFILE_REPEATS = 3
 
 
@@ -50,9 +55,10 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
                  costs: StepCosts, explore: bool = False) -> Choice:
     """The step's node counts from the calibrated acceptance of each request's drafted nodes
     ``[R, N]`` (non-increasing along a row; 0 where a node cannot be verified). With
-    ``explore`` (a probe's drafts) the best non-empty count is verified even when pausing
-    wins, so that the calibration learns from the target what a paused drafter would
-    never see."""
+    ``explore`` (a probe's drafts) the best count of 1 to R nodes is verified even when
+    pausing wins, so that the calibration learns from the target what a paused drafter
+    would never see, at about the cost of a chain step; drafting resumes only when it
+    beats pausing by ``RESUME_MARGIN``."""
     num_reqs, width = acceptance.shape
     flat = acceptance.ravel()
     order = np.argsort(-flat, kind="stable")  # ties keep node order: prefixes
@@ -60,12 +66,11 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
     gains = num_sampling + np.concatenate(([0.0], np.cumsum(flat[order])))
     counts = num_non_draft + np.arange(len(gains))
     rate = gains / costs.step_ms(counts, num_reqs, drafting=True)
-    explore = explore and len(rate) > 1
-    best = int(np.argmax(rate[1:] if explore else rate)) + explore
+    best = int(np.argmax(rate))
     paused = num_sampling / costs.step_ms(counts[:1], num_reqs, drafting=False)[0]
-    drafting = best > 0 and rate[best] > paused
-    if not (drafting or explore):
-        best = 0
+    drafting = best > 0 and rate[best] > paused * (1 + RESUME_MARGIN * explore)
+    if not drafting:
+        best = 1 + int(np.argmax(rate[1:num_reqs + 1])) if explore and len(rate) > 1 else 0
     nodes = np.bincount(order[:best] // width, minlength=num_reqs).astype(np.int32)
     return Choice(nodes, drafting, float(gains[best] - num_sampling))
 
@@ -203,7 +208,7 @@ class AdaptiveTreeSizing:
             state["probe_in"] -= 1
             self.counters["paused_steps"] += 1
             if state["probe_in"] <= 0:
-                state.update(drafting=True, probe=True, widest=self.budget)
+                state.update(drafting=True, probe=True, widest=PROBE_WIDTH)
                 self.counters["probes"] += 1
         self.timer.drafter_start(input_batch.num_tokens, input_batch.num_reqs,
                                  state["drafting"])
@@ -218,6 +223,12 @@ class AdaptiveTreeSizing:
             return 0
         share = self.runner.max_num_tokens // (2 * max(self.state.get("requests", 1), 1))
         return max(min(width, 2 * self.state["widest"], share - 1), min(width, 8))
+
+    def build_budget(self) -> int:
+        """The nodes a tree is built with: the drafts the scheduler schedules next, to a
+        power of two (the rest of the cap is never verified; building it costs)."""
+        need = self.drafts_to_schedule(self.budget)
+        return min(self.budget, max(8, 1 << (need - 1).bit_length()))
 
     def record_confidences(self, confidence_probs: Any, input_batch: Any) -> None:
         """After the drafter (the name is vLLM's): its scores and the calibration go to the

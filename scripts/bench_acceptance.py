@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # timers reach the runner
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, on the CPU platform only
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU only (the tiny pair: 0.2)
 
 
 def modes(drafter: str, budgets: list[int], depth: int, dynamic: Sequence[str] = (),
@@ -153,60 +153,127 @@ def counters(llm) -> dict:
     return out
 
 
-def run_mode(args, name: str, spec: dict | None, prompts: list, concurrency: int) -> dict:
-    import torch
-    from vllm import LLM, SamplingParams
+class ModeRun:
+    """One mode's engine at one concurrency: a warm-up pass, then ``timed_pass`` (the
+    tokens/s of one pass over the prompts) as many times as asked, then ``finish`` (the
+    counters over the timed passes, a breakdown pass, the engine shut down)."""
 
-    device = {"gpu_memory_utilization": args.gpu_memory_utilization} \
-        if torch.cuda.is_available() else {}
-    llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype,
-              seed=0,
-              max_model_len=args.max_model_len, max_num_seqs=concurrency,
-              enforce_eager=not args.cuda_graphs, disable_log_stats=False, **device)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
+    def __init__(self, args, name: str, spec: dict | None, prompts: list,
+                 concurrency: int, engines: int = 1) -> None:
+        import torch
+        from vllm import LLM, SamplingParams
 
-    before = counters(llm)
-    rates, outputs = [], None
-    for _ in range(args.repeats):
+        device = {"gpu_memory_utilization": args.gpu_memory_utilization / engines} \
+            if torch.cuda.is_available() else {}
+        self.args, self.name, self.spec, self.concurrency = args, name, spec, concurrency
+        self.llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype,
+                       seed=0,
+                       max_model_len=args.max_model_len, max_num_seqs=concurrency,
+                       enforce_eager=not args.cuda_graphs, disable_log_stats=False, **device)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                     ignore_eos=True)
+        self.requests = [{"prompt_token_ids": p} for p in prompts]
+        self.llm.generate(self.requests[:2], self.params, use_tqdm=False)  # warm-up
+        self.before = counters(self.llm)
+        self.rates: list[float] = []
+        self.outputs: list | None = None
+
+    def timed_pass(self) -> None:
         t0 = time.perf_counter()
-        res = llm.generate(requests, params, use_tqdm=False)
+        res = self.llm.generate(self.requests, self.params, use_tqdm=False)
         dt = time.perf_counter() - t0
-        rates.append(sum(len(r.outputs[0].token_ids) for r in res) / dt)
-        outputs = [list(r.outputs[0].token_ids) for r in res]
-    after = counters(llm)
+        self.rates.append(sum(len(r.outputs[0].token_ids) for r in res) / dt)
+        self.outputs = [list(r.outputs[0].token_ids) for r in res]
 
-    timers = StepTimers(cuda=torch.cuda.is_available())
-    install_timers(llm, timers)
-    timers.enabled = True
-    t0 = time.perf_counter()
-    llm.generate(requests, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    timers.remove()
-    del llm
-    gc.collect()
+    def finish(self) -> dict:
+        """The breakdown pass (timers on) and the counters over it (greedy: every pass
+        generates the same tokens; one engine runs at a time, as the counters are the
+        process's); the engine stays up (``close``)."""
+        import torch
 
-    tokens = sum(len(o) for o in outputs) * args.repeats
-    d = {k: _minus(after.get(k, 0), before.get(k, 0)) for k in after}
-    drafts = d.get("spec_decode_num_drafts", 0)
-    per_pos = d.get("spec_decode_num_accepted_tokens_per_pos", [])
-    accepted = d.get("spec_decode_num_accepted_tokens", 0)
-    forwards = timers.calls["verify forward"]  # target forwards in the breakdown pass
-    hist = [drafts - (per_pos[0] if per_pos else 0)] + [
-        per_pos[i] - (per_pos[i + 1] if i + 1 < len(per_pos) else 0) for i in range(len(per_pos))]
-    return {
-        "mode": name, "concurrency": concurrency, "spec": spec,
-        "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-        "per_depth_acceptance": [p / drafts for p in per_pos] if drafts else [],
-        "accepted_length_histogram": _trim(hist) if drafts else [],
-        "verify_steps": drafts, "generated_tokens": tokens,
-        "target_forwards_per_token": forwards * args.repeats / tokens,
-        "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
-        "breakdown_ms_per_forward": {k: 1e3 * v / max(1, forwards)
-                                     for k, v in timers.total.items()},
-        "breakdown_pass_wall_s": wall, "outputs": outputs,
-    }
+        llm, outputs = self.llm, self.outputs
+        before = counters(llm)
+        timers = StepTimers(cuda=torch.cuda.is_available())
+        install_timers(llm, timers)
+        timers.enabled = True
+        t0 = time.perf_counter()
+        llm.generate(self.requests, self.params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        timers.remove()
+        after = counters(llm)
+
+        tokens = sum(len(o) for o in outputs)
+        d = {k: _minus(after.get(k, 0), before.get(k, 0)) for k in after}
+        drafts = d.get("spec_decode_num_drafts", 0)
+        per_pos = d.get("spec_decode_num_accepted_tokens_per_pos", [])
+        accepted = d.get("spec_decode_num_accepted_tokens", 0)
+        forwards = timers.calls["verify forward"]  # target forwards in the breakdown pass
+        hist = [drafts - (per_pos[0] if per_pos else 0)] + [
+            per_pos[i] - (per_pos[i + 1] if i + 1 < len(per_pos) else 0)
+            for i in range(len(per_pos))]
+        return {
+            "mode": self.name, "concurrency": self.concurrency, "spec": self.spec,
+            "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "per_depth_acceptance": [p / drafts for p in per_pos] if drafts else [],
+            "accepted_length_histogram": _trim(hist) if drafts else [],
+            "verify_steps": drafts, "generated_tokens": tokens * len(self.rates),
+            "target_forwards_per_token": forwards / tokens,
+            "tokens_per_s": statistics.median(self.rates), "tokens_per_s_runs": self.rates,
+            "breakdown_ms_per_forward": {k: 1e3 * v / max(1, forwards)
+                                         for k, v in timers.total.items()},
+            "breakdown_pass_wall_s": wall, "outputs": outputs,
+        }
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
+
+
+def run_modes(args, runs: list[tuple[str, dict | None]], prompts: list,
+              concurrency: int) -> list[dict]:
+    """The modes one after another, or with ``--interleave`` every mode's engine at once
+    and their timed passes in turn (round-robin), so that a machine whose speed drifts
+    (a shared CPU) slows every mode alike. Engines without trees start first: a tree
+    engine's start on the CPU makes later engines' attention TREE_ATTN's."""
+    if not args.interleave:
+        out = []
+        for name, spec in runs:
+            print(f"--- {name}, concurrency {concurrency}", file=sys.stderr, flush=True)
+            run = ModeRun(args, name, spec, prompts, concurrency)
+            for _ in range(args.repeats):
+                run.timed_pass()
+            out.append(_report(run.finish()))
+            run.close()
+        return out
+    print(f"--- {len(runs)} modes interleaved, concurrency {concurrency}", file=sys.stderr,
+          flush=True)
+    engines = [ModeRun(args, name, spec, prompts, concurrency, len(runs))
+               for name, spec in sorted(runs, key=lambda r: _has_trees(r[1]))]
+    for _ in range(args.repeats):
+        for run in engines:
+            run.timed_pass()
+    timed = {run.name: (run.rates, run.outputs) for run in engines}
+    for run in engines:  # together: shutting one down ends the process's parallel groups
+        run.close()
+    # The counters are the process's last engine's: each mode's breakdown pass and counters
+    # on an engine of its own, alone.
+    out = []
+    for name, spec in runs:
+        run = ModeRun(args, name, spec, prompts, concurrency)
+        run.rates, run.outputs = timed[name]
+        out.append(_report(run.finish()))
+        run.close()
+    return out
+
+
+def _has_trees(spec: dict | None) -> bool:
+    return spec is not None and spec.get("method") != "dflash"
+
+
+def _report(r: dict) -> dict:
+    print(f"    {r['mode']}: acceptance length {r['acceptance_length']:.2f}, "
+          f"{r['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return r
 
 
 def _minus(a, b):
@@ -369,6 +436,10 @@ def main() -> int:
                         help="also adaptive trees (enable_adaptive_verification) under each "
                              "cap (tree_budget)")
     parser.add_argument("--modes", nargs="*", help="run only these modes (names as printed)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="hold every mode's engine at once and time their passes in "
+                             "turn (a machine whose speed drifts slows all alike; small "
+                             "models: each engine gets 1/modes of the GPU memory)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="write OUT/acceptance.md and the plots again from a run's "
@@ -399,17 +470,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     results = []
+    runs = [(name, spec) for name, spec in modes(
+        args.drafter, args.budgets, block - 1, args.dynamic, max(args.concurrency),
+        args.jetspec_drafter, args.adaptive) if not args.modes or name in args.modes]
     for conc in args.concurrency:
-        for name, spec in modes(args.drafter, args.budgets, block - 1, args.dynamic,
-                                max(args.concurrency), args.jetspec_drafter,
-                                args.adaptive):
-            if args.modes and name not in args.modes:
-                continue
-            print(f"--- {name}, concurrency {conc}", file=sys.stderr, flush=True)
-            results.append(run_mode(args, name, spec, prompts, conc))
-            r = results[-1]
-            print(f"    acceptance length {r['acceptance_length']:.2f}, "
-                  f"{r['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        results += run_modes(args, runs, prompts, conc)
 
     reference = {c: next((r["outputs"] for r in results if r["concurrency"] == c
                           and r["mode"] == "none"), None) for c in args.concurrency}

@@ -66,3 +66,34 @@ def test_step_token_schedule_keeps_verify_steps_near_the_target() -> None:
                                               vllm_num_speculative_tokens=16)
     for reqs in range(1, 41):
         assert reqs * (lookup[reqs] + 1) <= max(64, 2 * reqs)
+
+
+@pytest.mark.slow
+def test_interleaved_modes_report_what_one_at_a_time_does(tiny_models: Path,
+                                                          tmp_path: Path) -> None:
+    """--interleave: every mode's engine at once, their timed passes in turn; each mode's
+    counters and breakdown still its own (taken on an engine of its own, alone)."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):\n    return", "The name of the file is"]))
+    data = {}
+    for interleave in (False, True):
+        out = tmp_path / f"out{interleave}"
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "bench_acceptance.py"),
+             "--target", str(tiny_models / "target"), "--drafter", str(tiny_models / "drafter"),
+             "--prompts", str(prompts), "--max-tokens", "6", "--budgets", "4",
+             "--repeats", "2", "--modes", "ddtree B=4 spine", "none", "dflash",
+             "--out", str(out)] + ["--interleave"] * interleave,
+            capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data[interleave] = json.loads((out / "acceptance.json").read_text())
+    alone, turns = ({r["mode"]: r for r in data[i]["results"]} for i in (False, True))
+    assert list(turns) == ["none", "dflash", "ddtree B=4 spine"] == list(alone)
+    assert data[True]["identical_greedy_outputs"] is True
+    for mode, r in turns.items():
+        assert len(r["tokens_per_s_runs"]) == 2 and r["tokens_per_s"] > 0
+        for key in ("acceptance_length", "verify_steps", "per_depth_acceptance",
+                    "target_forwards_per_token"):
+            assert r[key] == alone[mode][key], (mode, key)
+    assert turns["none"]["verify_steps"] == 0
+    assert turns["dflash"]["verify_steps"] > 0 and turns["ddtree B=4 spine"]["verify_steps"] > 0

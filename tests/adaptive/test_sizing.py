@@ -14,7 +14,7 @@ from vllm_ddtree.spec_decode.adaptive.calibration import (
     AcceptanceCalibration,
 )
 from vllm_ddtree.spec_decode.adaptive.costs import CostCurve, StepCosts, StepTimer
-from vllm_ddtree.spec_decode.adaptive.sizing import choose_nodes
+from vllm_ddtree.spec_decode.adaptive.sizing import Choice, after_choice, choose_nodes
 
 
 def costs_of(verify: dict[int, float], draft: dict[int, float],
@@ -102,6 +102,52 @@ def test_a_probe_resumes_drafting_only_by_a_margin() -> None:
     probe = choose_nodes(acceptance, 1, 1, flat, explore=True)
     assert not probe.drafting and probe.nodes.tolist() == [1]
     assert choose_nodes(np.array([[0.9]]), 1, 1, flat, explore=True).drafting
+
+
+def test_pauses_back_off_until_drafting_lasts() -> None:
+    """Each pause waits twice as long as the one before, to 64 steps; a resumption that
+    pauses within 8 drafting steps keeps the back-off, 8 in a row restart it."""
+    state = {"drafting": True, "wait": 4, "run": 0, "probe_in": 0, "widest": 8}
+    drafting = Choice(np.array([3, 1]), True, 1.0)
+    paused = Choice(np.array([0, 0]), False, 0.0)
+    waits = []
+    for choice in [paused, drafting, paused, drafting, drafting, paused] + [paused] * 4:
+        after_choice(state, choice)
+        if not choice.drafting:
+            waits.append(state["probe_in"])
+    assert waits == [4, 8, 16, 32, 64, 64, 64]
+    assert state["widest"] == 3
+    for _ in range(8):
+        after_choice(state, drafting)
+    after_choice(state, paused)
+    assert state["probe_in"] == 4
+
+
+def test_served_periods_over_predicted_ones_scale_the_estimates() -> None:
+    """Drafting steps' served periods over the curves' prediction (a step's timer hears
+    both) scale drafting estimates: drafting 7% ahead by the curves, but served twice as
+    slow as predicted, pauses; an idle gap (over OUTLIER times) is not a step's cost."""
+    import time
+
+    flat = costs_of({1: 1.0, 1024: 1.0}, {1: 0.4}, {1: 0.0})
+    acceptance = np.array([[0.5]])
+    assert choose_nodes(acceptance, 1, 1, flat).drafting
+    flat.add_bias(100.0, 1.0)
+    assert flat.drafting_bias == 1.0
+    for _ in range(20):
+        flat.add_bias(2.0, 1.0)
+    assert 1.8 < flat.drafting_bias < 2.0
+    assert not choose_nodes(acceptance, 1, 1, flat).drafting
+    assert flat.step_ms(np.array([2]), 1, True)[0] == pytest.approx(
+        flat.step_ms(np.array([2]), 1, True, raw=True)[0] * flat.drafting_bias)
+    assert flat.step_ms(np.array([1]), 1, False)[0] == pytest.approx(1.0)
+    timer = StepTimer(torch.device("cpu"), learn=True)  # the timer hands both over
+    for predicted in (5.0, 5.0, None, 5.0):
+        timer.step_start()
+        time.sleep(0.01)
+        timer.drafter_start(2, 1, True, predicted_ms=predicted)  # served: 10 ms or more
+        timer.step_end()
+    assert timer.costs.drafting_bias > 1.1
 
 
 def test_cost_curves_interpolate_rise_and_skip_outliers() -> None:

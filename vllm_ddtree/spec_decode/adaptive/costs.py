@@ -7,7 +7,11 @@ step's period (the scheduler, input and output processing, everything the curves
 one average per mode, drafting or paused: the residual of each served step's period. The
 verify part is a curve over the step's token count, the drafter's over its request count;
 both are seeded at start-up from timed dummy runs and kept current from every served step
-(an exponential average per size bucket).
+(an exponential average per size bucket). A step that chose to draft also compares its
+period with what the curves predicted for it: the ratio (averaged) scales later drafting
+estimates, because choosing by noisy estimates picks the drafts they underestimate most (a
+CPU's step times move by 10% and more). Paused steps need none: nothing is chosen among
+them, and their residual (``rest_ms``) is learned from every one.
 
 ``StepClock`` reads host time on a CPU and CUDA events on a GPU; an event is read only once
 it has completed (``query``), so timing never waits for the device.
@@ -82,6 +86,12 @@ class StepCosts:
     def __init__(self) -> None:
         self.verify, self.draft, self.paused_draft = CostCurve(), CostCurve(), CostCurve()
         self.rest_ms: dict[bool, float | None] = {True: None, False: None}
+        self.drafting_bias = 1.0  # drafting steps' served periods over predicted ones
+
+    def add_bias(self, period_ms: float, predicted_ms: float) -> None:
+        ratio = period_ms / max(predicted_ms, 1e-3)
+        if 1 / OUTLIER <= ratio <= OUTLIER:  # else an idle gap, a compile: no step's cost
+            self.drafting_bias += SMOOTHING * (ratio - self.drafting_bias)
 
     def add_rest(self, drafting: bool, ms: float) -> None:
         old = self.rest_ms[drafting]
@@ -94,19 +104,22 @@ class StepCosts:
     def ready(self) -> bool:
         return bool(self.verify) and bool(self.draft)
 
-    def step_ms(self, tokens: np.ndarray, num_reqs: int, drafting: bool) -> np.ndarray:
+    def step_ms(self, tokens: np.ndarray, num_reqs: int, drafting: bool,
+                raw: bool = False) -> np.ndarray:
         """A step's time at each token count in ``tokens``, drafting for the next step or
-        not."""
+        not (``raw``: the curves' alone, without drafting steps' served/predicted ratio)."""
         drafter = self.draft if drafting or not self.paused_draft else self.paused_draft
         fixed = (self.rest_ms[drafting] or 0.0) + float(drafter.at(np.array([num_reqs]))[0])
-        return np.maximum(self.verify.at(tokens) + fixed, 1e-3)
+        scale = self.drafting_bias if drafting and not raw else 1.0
+        return np.maximum(self.verify.at(tokens) + fixed, 1e-3) * scale
 
     def summary(self) -> dict[str, Any]:
         return {"verify_ms_by_tokens": self.verify.table(),
                 "draft_ms_by_requests": self.draft.table(),
                 "paused_draft_ms_by_requests": self.paused_draft.table(),
                 "rest_ms": {("drafting" if k else "paused"): None if v is None else round(v, 3)
-                            for k, v in self.rest_ms.items()}}
+                            for k, v in self.rest_ms.items()},
+                "drafting_served_over_predicted": round(self.drafting_bias, 3)}
 
 
 class StepClock:
@@ -144,9 +157,13 @@ class StepTimer:
     def step_start(self) -> None:
         self._marks = {"start": self.clock.mark()}
 
-    def drafter_start(self, tokens: int, reqs: int, drafting: bool) -> None:
+    def drafter_start(self, tokens: int, reqs: int, drafting: bool,
+                      predicted_ms: float | None = None) -> None:
+        """``predicted_ms``: the step's period as the curves predicted it, where the step
+        chose to draft and the drafter drafts."""
         if "start" in self._marks:
-            self._marks.update(draft=self.clock.mark(), size=(tokens, reqs, drafting))
+            self._marks.update(draft=self.clock.mark(), size=(tokens, reqs, drafting),
+                               predicted=predicted_ms)
 
     def step_end(self) -> None:
         marks, self._marks = self._marks, {}
@@ -155,10 +172,13 @@ class StepTimer:
             return
         end = self.clock.mark()
         self._pending.append((self._last_end, marks["start"], marks["draft"], end,
-                              marks["size"]))
+                              marks["size"], marks["predicted"]))
         self._last_end = end
         if self.learn:
-            for tokens, reqs, drafting, verify_ms, draft_ms, period in self._resolved():
+            for step in self._resolved():
+                tokens, reqs, drafting, verify_ms, draft_ms, period, predicted = step
+                if period is not None and predicted is not None:
+                    self.costs.add_bias(period, predicted)
                 self._add(tokens, reqs, drafting, verify_ms, draft_ms, trusted=False)
                 if period is not None:
                     self.costs.add_rest(drafting, period - verify_ms - draft_ms)
@@ -178,7 +198,7 @@ class StepTimer:
                     self._pending.clear()
             if self.clock.cuda:
                 torch.cuda.synchronize()
-            for t, r, d, verify_ms, draft_ms, _ in self._resolved():
+            for t, r, d, verify_ms, draft_ms, _, _ in self._resolved():
                 timed.setdefault((t, r, d), []).append((verify_ms, draft_ms))
         self.costs, self._last_end, self.learn = StepCosts(), None, learn
         for (tokens, reqs, drafting), times in timed.items():
@@ -189,13 +209,14 @@ class StepTimer:
         """The pending steps whose marks have happened (all, on a CPU), in order."""
         out = []
         while self._pending:
-            last_end, start, draft, end, (tokens, reqs, drafting) = self._pending[0]
+            last_end, start, draft, end, (tokens, reqs, drafting), predicted = \
+                self._pending[0]
             draft_ms = self.clock.ms(draft, end)
             if draft_ms is None:
                 break
             period = None if last_end is None else self.clock.ms(last_end, end)
             out.append((tokens, reqs, drafting, self.clock.ms(start, draft), draft_ms,
-                        period))
+                        period, predicted))
             self._pending.pop(0)
         del self._pending[:-16]  # never a backlog
         return out

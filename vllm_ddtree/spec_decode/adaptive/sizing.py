@@ -19,7 +19,8 @@ When not drafting at all beats the best ``k`` (the drafter's cost saved too), th
 verifies nothing and the drafter pauses: it still stores the committed tokens' context
 (``DDTreeSpeculator._store_context``), so its context is right when it drafts again; the
 scheduler is told to schedule no drafts (``drafts_to_schedule``); and it probes (drafts one
-tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused steps.
+tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused steps,
+the back-off restarting only after 8 drafting steps in a row.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from vllm_ddtree.spec_decode.adaptive.costs import StepCosts, StepTimer
 from vllm_ddtree.spec_decode.adaptive.host_copy import HostCopy
 
 PROBE_AFTER = (4, 64)  # paused steps before the first probe, and at most
+DRAFTED_TO_RESET = 8  # drafting steps in a row after which the probes' back-off restarts
 PROBE_WIDTH = 8  # the widest tree a probe verifies, as drafts_to_schedule reads it
 # How much faster drafting must look than pausing for a probe to resume it: the estimates
 # are noisy (a CPU's step times vary by 10% and more), and a resumption that does not pay
@@ -75,6 +77,21 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
     return Choice(nodes, drafting, float(gains[best] - num_sampling))
 
 
+def after_choice(state: dict[str, Any], choice: Choice) -> None:
+    """The drafter's state after a step's choice: drafting, or paused until a probe. Each
+    pause waits twice as long as the one before (to PROBE_AFTER's cap); drafting
+    DRAFTED_TO_RESET steps in a row restarts the back-off (a resumption that soon pauses
+    again keeps it)."""
+    if choice.drafting:
+        run = state["run"] + 1
+        state.update(drafting=True, run=run, widest=int(choice.nodes.max(initial=0)))
+        if run >= DRAFTED_TO_RESET:
+            state["wait"] = PROBE_AFTER[0]
+    else:
+        state.update(drafting=False, probe_in=state["wait"], run=0,
+                     wait=min(2 * state["wait"], PROBE_AFTER[1]))
+
+
 class AdaptiveTreeSizing:
     def __init__(self, runner: Any, trees: Any, budget: int) -> None:
         from vllm.distributed.parallel_state import get_tp_group
@@ -92,12 +109,14 @@ class AdaptiveTreeSizing:
         self._realized = torch.zeros(2, dtype=torch.float32, device=device)
         self.realized = HostCopy(self._realized)
         self._batch: tuple[list[str], np.ndarray] | None = None
+        self._predicted: float | None = None  # a drafting step's predicted period, ms
         # The drafter: whether it drafts at this step's end, whether the drafts it made
         # last are fresh, the most nodes a request verified last, and while paused the
-        # steps until a probe and the wait after the next one.
+        # steps until a probe and the wait after the next one; drafting, the steps it has
+        # drafted in a row.
         self.state = {"drafting": True, "drafted": True, "widest": budget,
                       "profiled": False, "probe": False, "probe_in": 0,
-                      "wait": PROBE_AFTER[0]}
+                      "wait": PROBE_AFTER[0], "run": 0}
         self.counters = {"steps": 0, "paused_steps": 0, "nodes": 0, "min_nodes": None,
                          "max_nodes": 0, "predicted": 0.0, "probes": 0}
         self._logged = time.monotonic()
@@ -161,13 +180,11 @@ class AdaptiveTreeSizing:
         acceptance = np.where(eligible, self.calibration.probabilities(logprobs), 0.0)
         choice = choose_nodes(acceptance, num_sampling, num_non_draft, costs,
                               explore=state["probe"])
-        if choice.drafting:
-            state.update(drafting=True, wait=PROBE_AFTER[0],
-                         widest=int(choice.nodes.max(initial=0)))
-        else:  # paused; each probe that finds nothing worth drafting waits twice as long
-            state.update(drafting=False, probe_in=state["wait"],
-                         wait=min(2 * state["wait"], PROBE_AFTER[1]))
+        after_choice(state, choice)
         total = int(choice.nodes.sum())
+        # A drafting step's period as the curves predict it, compared with the served one.
+        self._predicted = float(costs.step_ms(np.array([num_non_draft + total]), len(slots),
+                                              True, raw=True)[0]) if choice.drafting else None
         c["steps"] += 1
         c["nodes"] += total
         c["predicted"] += choice.predicted
@@ -210,8 +227,9 @@ class AdaptiveTreeSizing:
             if state["probe_in"] <= 0:
                 state.update(drafting=True, probe=True, widest=PROBE_WIDTH)
                 self.counters["probes"] += 1
+        predicted, self._predicted = self._predicted, None
         self.timer.drafter_start(input_batch.num_tokens, input_batch.num_reqs,
-                                 state["drafting"])
+                                 state["drafting"], predicted)
         state.update(drafted=state["drafting"], requests=input_batch.num_reqs)
         return state["drafting"]
 

@@ -146,6 +146,75 @@ def test_prefix_caching_is_refused_on_hybrids(tiny_hybrid: Path) -> None:
                    speculative_config=tree_spec(tiny_hybrid, 4)).create_engine_config()
 
 
+def chain_oracle(monkeypatch: pytest.MonkeyPatch, truth: dict[tuple, list[int]]) -> None:
+    """V2's DFlash chain drafting each request's greedy continuation right for a random
+    number of tokens (0 to all), then wrong: drafts accepted at every depth. Reads the
+    requests' tokens from the runner's states (``oracle_states``, set once the engine is
+    up; the start-up's dummy drafts stay the drafter's)."""
+    import numpy as np
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    generate_draft = DFlashSpeculator._generate_draft
+
+    def oracle(self, num_reqs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        generate_draft(self, num_reqs, *args, **kwargs)
+        states, steps = getattr(self, "oracle_states", None), self.num_speculative_steps
+        if states is None:
+            return
+        for r, slot in enumerate(self.sample_idx_mapping[:num_reqs * steps:steps].tolist()):
+            n, prompt_len = int(states.total_len.gpu[slot]), int(states.prompt_len.np[slot])
+            seq = states.all_token_ids.gpu[slot, :n].tolist()
+            right = truth[tuple(seq[:prompt_len])][n - prompt_len:][:steps]
+            good = int(np.random.default_rng([n, *seq[-3:]]).integers(0, steps + 1))
+            drafts = [t if i < good else t + 1 for i, t in enumerate(right)]
+            drafts += [0] * (steps - len(drafts))
+            self.draft_tokens[r] = torch.tensor(drafts)
+
+    monkeypatch.setattr(DFlashSpeculator, "_generate_draft", oracle)
+
+
+@pytest.mark.slow
+def test_the_chain_with_prefix_caching_is_the_target_without(tiny_hybrid: Path,
+                                                             monkeypatch) -> None:
+    """Issue 54's check of vLLM's own chain on a hybrid with prefix caching ("align" mode,
+    blocks of 640 tokens: the GDN state page): the DFlash chain, drafts accepted deep,
+    generates what the target alone does with caching off, token for token, for a request
+    and then one sharing its first block (vLLM's own prefix-cache hits counted), and one
+    that parts inside it."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    prefix = "def g(x):\n" + " ".join(f"w{i % 97}" for i in range(400))  # ~1150 tokens
+    prompts = [prefix + " alpha beta", prefix + " gamma", prefix[:len(prefix) // 2] + " delta"]
+    runs = {}
+    for name, spec, caching in (("alone", None, False), ("chain", {
+            "method": "dflash", "model": str(tiny_hybrid / "drafter"),
+            "num_speculative_tokens": 7}, True)):
+        cleanup_dist_env_and_memory()
+        llm = LLM(model=str(tiny_hybrid / "target"), speculative_config=spec,
+                  enable_prefix_caching=caching, max_model_len=2048, dtype="bfloat16",
+                  enforce_eager=True, max_num_seqs=4, seed=0, disable_log_stats=False)
+        if spec is not None:
+            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
+                .worker.model_runner
+            runner.speculator.oracle_states = runner.req_states
+        tokenizer = llm.get_tokenizer()
+        params = SamplingParams(temperature=0.0, max_tokens=24 + (8 if spec is None else 0),
+                                ignore_eos=True)
+        outputs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+                   for p in prompts]  # one after another: later ones may hit the cache
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        runs[name] = outputs, metrics
+        if spec is None:  # the chain's oracle: each prompt's continuation
+            chain_oracle(monkeypatch, {tuple(tokenizer.encode(p)): o
+                                       for p, o in zip(prompts, outputs)})
+        del llm
+    (alone, _), (chain, metrics) = runs["alone"], runs["chain"]
+    assert chain == [o[:24] for o in alone]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 2 * len(prompts)
+    assert metrics["vllm:prefix_cache_hits"] >= 640
+
+
 def test_adaptive_trees_are_refused_on_hybrids(tiny_hybrid: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
 

@@ -146,11 +146,13 @@ def test_prefix_caching_is_refused_on_hybrids(tiny_hybrid: Path) -> None:
                    speculative_config=tree_spec(tiny_hybrid, 4)).create_engine_config()
 
 
-def chain_oracle(monkeypatch: pytest.MonkeyPatch, truth: dict[tuple, list[int]]) -> None:
+def chain_oracle(monkeypatch: pytest.MonkeyPatch, truth: dict[tuple, list[int]],
+                 perfect: set[tuple] = frozenset()) -> None:
     """V2's DFlash chain drafting each request's greedy continuation right for a random
-    number of tokens (0 to all), then wrong: drafts accepted at every depth. Reads the
-    requests' tokens from the runner's states (``oracle_states``, set once the engine is
-    up; the start-up's dummy drafts stay the drafter's)."""
+    number of tokens (0 to all), then wrong: drafts accepted at every depth (all right for
+    the prompts in ``perfect``). Reads the requests' tokens from the runner's states
+    (``oracle_states``, set once the engine is up; the start-up's dummy drafts stay the
+    drafter's)."""
     import numpy as np
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
@@ -164,8 +166,10 @@ def chain_oracle(monkeypatch: pytest.MonkeyPatch, truth: dict[tuple, list[int]])
         for r, slot in enumerate(self.sample_idx_mapping[:num_reqs * steps:steps].tolist()):
             n, prompt_len = int(states.total_len.gpu[slot]), int(states.prompt_len.np[slot])
             seq = states.all_token_ids.gpu[slot, :n].tolist()
-            right = truth[tuple(seq[:prompt_len])][n - prompt_len:][:steps]
-            good = int(np.random.default_rng([n, *seq[-3:]]).integers(0, steps + 1))
+            prompt = tuple(seq[:prompt_len])
+            right = truth[prompt][n - prompt_len:][:steps]
+            good = steps if prompt in perfect else int(
+                np.random.default_rng([n, *seq[-3:]]).integers(0, steps + 1))
             drafts = [t if i < good else t + 1 for i, t in enumerate(right)]
             drafts += [0] * (steps - len(drafts))
             self.draft_tokens[r] = torch.tensor(drafts)
@@ -173,14 +177,23 @@ def chain_oracle(monkeypatch: pytest.MonkeyPatch, truth: dict[tuple, list[int]])
     monkeypatch.setattr(DFlashSpeculator, "_generate_draft", oracle)
 
 
+def one_by_one(llm, params, requests: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
+    """Each request after the one before (so that it may hit what they cached)."""
+    return [list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+                 .outputs[0].token_ids) for ids in requests]
+
+
 @pytest.mark.slow
 def test_the_chain_with_prefix_caching_is_the_target_without(tiny_hybrid: Path,
                                                              monkeypatch) -> None:
     """Issue 54's check of vLLM's own chain on a hybrid with prefix caching ("align" mode,
     blocks of 640 tokens: the GDN state page): the DFlash chain, drafts accepted deep,
-    generates what the target alone does with caching off, token for token, for a request
-    and then one sharing its first block (vLLM's own prefix-cache hits counted), and one
-    that parts inside it."""
+    generates what the target alone does with caching off, token for token, for a request,
+    one sharing its first block, one that parts inside it, and a next turn (a 620-token
+    prompt, then it with its reply: the block's state is taken at 640, inside a verify step
+    of positions 636-643, all accepted; decode positions are retained with
+    prefix_cache_retention_interval, vLLM's default keeping prompt boundaries only); vLLM's
+    own prefix-cache hits counted."""
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -193,7 +206,8 @@ def test_the_chain_with_prefix_caching_is_the_target_without(tiny_hybrid: Path,
         cleanup_dist_env_and_memory()
         llm = LLM(model=str(tiny_hybrid / "target"), speculative_config=spec,
                   enable_prefix_caching=caching, max_model_len=2048, dtype="bfloat16",
-                  enforce_eager=True, max_num_seqs=4, seed=0, disable_log_stats=False)
+                  enforce_eager=True, max_num_seqs=4, seed=0, disable_log_stats=False,
+                  **({"prefix_cache_retention_interval": 640} if caching else {}))
         if spec is not None:
             runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
                 .worker.model_runner
@@ -201,18 +215,21 @@ def test_the_chain_with_prefix_caching_is_the_target_without(tiny_hybrid: Path,
         tokenizer = llm.get_tokenizer()
         params = SamplingParams(temperature=0.0, max_tokens=24 + (8 if spec is None else 0),
                                 ignore_eos=True)
-        outputs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
-                   for p in prompts]  # one after another: later ones may hit the cache
+        requests = [tokenizer.encode(p) for p in prompts]
+        turn = requests[0][:620]
+        outputs = one_by_one(llm, params, requests + [turn])
+        requests += [turn, turn + (runs["alone"][0][3] if spec else outputs[3])[:24] + [5, 6]]
+        outputs += one_by_one(llm, params, requests[-1:])
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         runs[name] = outputs, metrics
         if spec is None:  # the chain's oracle: each prompt's continuation
-            chain_oracle(monkeypatch, {tuple(tokenizer.encode(p)): o
-                                       for p, o in zip(prompts, outputs)})
+            chain_oracle(monkeypatch, {tuple(r): o for r, o in zip(requests, outputs)},
+                         perfect={tuple(turn)})
         del llm
     (alone, _), (chain, metrics) = runs["alone"], runs["chain"]
     assert chain == [o[:24] for o in alone]
-    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 2 * len(prompts)
-    assert metrics["vllm:prefix_cache_hits"] >= 640
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 2 * len(chain)
+    assert metrics["vllm:prefix_cache_hits"] >= 2 * 640  # the shared block, the turn's
 
 
 def test_adaptive_trees_are_refused_on_hybrids(tiny_hybrid: Path) -> None:

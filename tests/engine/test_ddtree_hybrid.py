@@ -193,7 +193,9 @@ def test_the_chain_with_prefix_caching_is_the_target_without(tiny_hybrid: Path,
     prompt, then it with its reply: the block's state is taken at 640, inside a verify step
     of positions 636-643, all accepted; decode positions are retained with
     prefix_cache_retention_interval, vLLM's default keeping prompt boundaries only); vLLM's
-    own prefix-cache hits counted."""
+    own prefix-cache hits counted. Blind spot: the tiny target's GDN layers are exact stores
+    (beta 1, no decay), so a state taken a few positions late, which the next turn then
+    replays, changes nothing; one taken early is caught."""
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

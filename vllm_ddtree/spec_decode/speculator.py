@@ -57,8 +57,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         # steps; the drafter drafts tree_depth. Read before: _num_graph_context_tokens.
         self.budget, self.depth = options.tree_budget, options.tree_depth
         self.spine, self.widths = options.tree_spine, tree_widths(options)
-        # Adaptive trees verify prefixes: their nodes are renumbered most probable first.
-        self.by_score = options.adaptive
         refuse_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
         super().__init__(vllm_config, device)
         self.num_speculative_steps = self.depth
@@ -69,8 +67,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_idx_mapping = self.sample_idx_mapping[:rows]
         self.sample_col = self.sample_col.view(self.max_num_reqs, -1)[:, :self.depth].flatten()
         # draft_tokens stays [max_num_reqs, tree_budget]: the trees' nodes below the root.
+        # Adaptive trees verify prefixes: their nodes are renumbered most probable first.
         self.trees = TreeStore(self.max_num_reqs, self.budget, self.depth, device,
-                               scored=self.by_score)
+                               scored=options.adaptive)
         self.verifier = TreeVerifier(self.trees, self.budget, self.depth,
                                      vllm_config.speculative_config)
         if device.type == "cpu":
@@ -104,13 +103,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         step = self.num_query_per_req
         roots = self.input_buffers.input_ids[:num_reqs * step:step].to(torch.int64)
         logits = logits.view(num_reqs, self.depth, -1)
-        # Adaptive trees, eager: trees as wide as the scheduler schedules next (a captured
-        # draft step keeps the cap's shapes).
+        # Adaptive trees, eager: trees as wide as the scheduler schedules next, to a power of
+        # two (the rest of the cap is never verified; a captured draft step keeps its shapes).
         budget = self.budget
         if self.sizing is not None and cudagraph_runtime_mode == CUDAGraphMode.NONE:
-            budget = self.sizing.build_budget()
+            need = self.sizing.drafts_to_schedule(self.budget)
+            budget = min(self.budget, max(8, 1 << (need - 1).bit_length()))
         trees = ops.build_tree_from_logits(roots, logits, budget, self.spine, self.widths)
-        if self.by_score:
+        if self.trees.scores is not None:  # adaptive trees verify prefixes: reorder.py
             trees = padded(by_score(trees), self.budget)
         slots = self.sample_idx_mapping[:num_reqs * self.depth:self.depth]
         self.draft_tokens[:num_reqs] = self.trees.write(slots, trees, logits.argmax(dim=-1))

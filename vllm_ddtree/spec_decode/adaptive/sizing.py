@@ -242,12 +242,6 @@ class AdaptiveTreeSizing:
         share = self.runner.max_num_tokens // (2 * max(self.state.get("requests", 1), 1))
         return max(min(width, 2 * self.state["widest"], share - 1), min(width, 8))
 
-    def build_budget(self) -> int:
-        """The nodes a tree is built with: the drafts the scheduler schedules next, to a
-        power of two (the rest of the cap is never verified; building it costs)."""
-        need = self.drafts_to_schedule(self.budget)
-        return min(self.budget, max(8, 1 << (need - 1).bit_length()))
-
     def record_confidences(self, confidence_probs: Any, input_batch: Any) -> None:
         """After the drafter (the name is vLLM's): its scores and the calibration go to the
         host; the step's times are taken."""

@@ -28,6 +28,15 @@ def imperfect_logits(truth: list[int], depth: int, vocab: int,
     return logits
 
 
+def known_continuation(states, slot: int, continuations: dict[tuple, list[int]],  # noqa: ANN001
+                       count: int) -> tuple[list[int], list[int]]:
+    """A request's tokens so far (the runner's request states, read on the host: a test's
+    drafter may sync) and the next ``count`` (or fewer) of its prompt's continuation."""
+    n, prompt_len = int(states.total_len.gpu[slot]), int(states.prompt_len.np[slot])
+    seq = states.all_token_ids.gpu[slot, :n].tolist()
+    return seq, continuations[tuple(seq[:prompt_len])][n - prompt_len:][:count]
+
+
 def oracle_tree_logits(continuations: dict[tuple, list[int]], seed: int):
     """``DDTreeSpeculator.draft_logits_at`` for a drafter that knows each prompt's greedy
     continuation (by prompt token ids) and shows it imperfectly (imperfect_logits). It reads
@@ -43,11 +52,9 @@ def oracle_tree_logits(continuations: dict[tuple, list[int]], seed: int):
         for r, slot in enumerate(slots):
             if slot < 0:
                 continue
-            n, prompt_len = int(states.total_len.gpu[slot]), int(states.prompt_len.np[slot])
-            seq = states.all_token_ids.gpu[slot, :n].tolist()
-            truth, done = continuations[tuple(seq[:prompt_len])], n - prompt_len
-            rng = np.random.default_rng([seed, n, *seq[-3:]])
-            logits[r] = imperfect_logits(truth[done:done + depth], depth, vocab, rng)
+            seq, truth = known_continuation(states, slot, continuations, depth)
+            rng = np.random.default_rng([seed, len(seq), *seq[-3:]])
+            logits[r] = imperfect_logits(truth, depth, vocab, rng)
         return logits.flatten(0, 1).to(hidden_states.device)
 
     return draft_logits_at

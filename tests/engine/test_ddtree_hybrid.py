@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import language_model_only, oracle_tree_logits
+from engine_helpers import known_continuation, language_model_only, oracle_tree_logits
 from engine_runs import run_with_aborts, tree_stats
 
 PROMPTS = [f"def f{i}(x):\n    return x {'+-*'[i % 3]} {i * 7}" for i in range(8)]
@@ -164,12 +164,10 @@ def chain_oracle(monkeypatch: pytest.MonkeyPatch, truth: dict[tuple, list[int]],
         if states is None:
             return
         for r, slot in enumerate(self.sample_idx_mapping[:num_reqs * steps:steps].tolist()):
-            n, prompt_len = int(states.total_len.gpu[slot]), int(states.prompt_len.np[slot])
-            seq = states.all_token_ids.gpu[slot, :n].tolist()
-            prompt = tuple(seq[:prompt_len])
-            right = truth[prompt][n - prompt_len:][:steps]
+            seq, right = known_continuation(states, slot, truth, steps)
+            prompt = tuple(seq[:int(states.prompt_len.np[slot])])
             good = steps if prompt in perfect else int(
-                np.random.default_rng([n, *seq[-3:]]).integers(0, steps + 1))
+                np.random.default_rng([len(seq), *seq[-3:]]).integers(0, steps + 1))
             drafts = [t if i < good else t + 1 for i, t in enumerate(right)]
             drafts += [0] * (steps - len(drafts))
             self.draft_tokens[r] = torch.tensor(drafts)

@@ -154,9 +154,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         does with num_speculative_tokens=0); queued and stored in batches
         (paused_context.py)."""
         n = input_batch.num_tokens
-        states = self.model.combine_hidden_states(
-            torch.cat([h[:n] for h in aux_hidden_states], dim=-1)) \
-            if aux_hidden_states else last_hidden_states[:n]
+        self._store_hidden_states(n, last_hidden_states, aux_hidden_states)
         if dummy_run:  # a start-up profile's run: combined, not queued (DFlash's)
             return
         groups = self.draft_kv_cache_group_ids
@@ -164,7 +162,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.paused_context = PausedContext(self.max_num_tokens, self.hidden_size,
                                                 len(groups), self.dtype, self.device)
         slots = [self.block_tables.slot_mappings[gid][:n] for gid in groups]
-        self.paused_context.add(states, input_batch.positions[:n], slots,
+        self.paused_context.add(self.hidden_states[:n], input_batch.positions[:n], slots,
                                 input_batch.req_ids, self._store_context_kv)
 
     def _store_context_kv(self, states: torch.Tensor, positions: torch.Tensor,

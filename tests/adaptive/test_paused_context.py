@@ -15,6 +15,7 @@ class Recorder:
 
     def __call__(self, states: torch.Tensor, positions: torch.Tensor,
                  slots: list[torch.Tensor]) -> None:
+        assert (states[:, 1:] == states[:, :1] + 0.5).all()  # the parts side by side
         self.calls.append((states[:, 0].tolist(), positions.tolist(),
                            [s.tolist() for s in slots]))
 
@@ -22,7 +23,7 @@ class Recorder:
 def step(queue: PausedContext, store: Recorder, first: int, n: int,
          req_ids: list[str]) -> None:
     rows = torch.arange(first, first + n)
-    states = rows[:, None].float().expand(n, 3)
+    states = [rows[:, None].float(), rows[:, None].float().expand(n, 2) + 0.5]
     queue.add(states, rows + 100, [rows + 1000, rows + 2000], req_ids, store)
 
 

@@ -26,7 +26,7 @@ from vllm_ddtree.attention.features import refuse_quantized_kv_cache
 from vllm_ddtree.spec_decode.adaptive.reorder import by_score, padded
 from vllm_ddtree.spec_decode.model_state import install_model_state
 from vllm_ddtree.spec_decode.options import tree_options, tree_widths
-from vllm_ddtree.spec_decode.paused_context import PausedContext
+from vllm_ddtree.spec_decode.paused_context import PAUSED_CONTEXT_ROWS, PausedContext
 from vllm_ddtree.spec_decode.tree_store import TreeStore
 from vllm_ddtree.spec_decode.verifier import TreeVerifier
 
@@ -154,16 +154,19 @@ class DDTreeSpeculator(DFlashSpeculator):
         does with num_speculative_tokens=0); queued and stored in batches
         (paused_context.py)."""
         n = input_batch.num_tokens
-        self._store_hidden_states(n, last_hidden_states, aux_hidden_states)
-        if dummy_run:  # a start-up profile's run: combined, not queued (DFlash's)
+        if dummy_run:  # a start-up profile's run: combined as DFlash does, not queued
+            self._store_hidden_states(n, last_hidden_states, aux_hidden_states)
             return
+        parts = [h[:n] for h in aux_hidden_states or [last_hidden_states]]
         groups = self.draft_kv_cache_group_ids
         if self.paused_context is None:
-            self.paused_context = PausedContext(self.max_num_tokens, self.hidden_size,
-                                                len(groups), self.dtype, self.device)
+            combine = self.model.combine_hidden_states if aux_hidden_states else None
+            self.paused_context = PausedContext(
+                min(self.max_num_tokens, PAUSED_CONTEXT_ROWS), sum(p.shape[-1] for p in parts),
+                len(groups), parts[0].dtype, self.device, combine)
         slots = [self.block_tables.slot_mappings[gid][:n] for gid in groups]
-        self.paused_context.add(self.hidden_states[:n], input_batch.positions[:n], slots,
-                                input_batch.req_ids, self._store_context_kv)
+        self.paused_context.add(parts, input_batch.positions[:n], slots, input_batch.req_ids,
+                                self._store_context_kv)
 
     def _store_context_kv(self, states: torch.Tensor, positions: torch.Tensor,
                           slots: list[torch.Tensor]) -> None:

@@ -138,7 +138,7 @@ def tree_gdn_launches() -> list:
             idx = torch.zeros(rows, dtype=torch.int64)
             paths, slots = torch.zeros(reqs, 16, dtype=torch.int64), idx[:reqs]
             x = torch.empty(rows, conv, dtype=dtype)
-            conv_state = torch.empty(8, conv, 3, dtype=dtype)
+            conv_state = torch.empty(8, conv, 3 + 15, dtype=dtype)  # widened by the depth
             q, k = torch.empty(rows, hk, d, dtype=dtype), torch.empty(rows, hk, d, dtype=dtype)
             v, g = torch.empty(rows, hv, d, dtype=dtype), torch.empty(rows, hv)
             state = torch.empty(8, hv, d, d, dtype=state_dtype)
@@ -146,6 +146,7 @@ def tree_gdn_launches() -> list:
                          offsets=idx)
             tg.tree_gdn(q, k, v, g, g, state, idx, idx, d ** -0.5, max_depth=15)
             tg.commit_gdn(state, k, v, g, g, paths, slots, slots)
+            tg.commit_gdn(state, k, v, g, g, paths, slots, paths)  # a slot per accepted row
             tg.commit_conv(conv_state, x, paths, slots, 4, read_at=slots, write_at=slots)
     return launches
 

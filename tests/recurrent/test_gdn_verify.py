@@ -81,16 +81,20 @@ def test_chains_match_vllms_spec_path_and_commit(seed: int) -> None:
     acc = torch.where(node[1:] <= n[:, None], node[1:], -1).int()
     verify.commit(Verdict(acc, n.int(), torch.zeros(S, SPEC + 1, dtype=torch.int64)))
     for s in range(S):
-        # vLLM's next step reads slot n and the window at column n (num_accepted = n + 1).
-        k = int(n[s])
-        torch.testing.assert_close(tstate[slots[s, k]].float(), vstate[slots[s, k]].float(),
-                                   atol=2e-2, rtol=2e-2)
-        assert torch.equal(tconv[slots[s, 0], :, k:k + W - 1], vconv[slots[s, 0], :, k:k + W - 1])
+        # vLLM's next step reads slot n and the window at column n (num_accepted = n + 1);
+        # align mode checkpoints a block boundary inside the path from slot and column j:
+        # every accepted row's state and window are where vLLM's chain leaves them.
+        for j in range(int(n[s]) + 1):
+            torch.testing.assert_close(tstate[slots[s, j]].float(),
+                                       vstate[slots[s, j]].float(), atol=2e-2, rtol=2e-2)
+            assert torch.equal(tconv[slots[s, 0], :, j:j + W - 1],
+                               vconv[slots[s, 0], :, j:j + W - 1])
 
 
 def test_tree_nodes_match_vllms_path_run_as_chains() -> None:
     """Every node of a branching tree gives what vLLM's spec path gives for its root-to-node
-    path; after the commit, the state equals vLLM's after the accepted path. (Read at
+    path; after the commit, the state after each prefix of the accepted path equals vLLM's
+    after that prefix, in its column. (Read at
     column 0: vLLM's CPU conv loop cannot roll its buffer for a row shorter than
     num_speculative_tokens + 1 read at a later column; the window is checked against its
     definition instead.)"""
@@ -128,11 +132,14 @@ def test_tree_nodes_match_vllms_path_run_as_chains() -> None:
     verify.commit(Verdict(torch.tensor([[2, 5, -1, -1]], dtype=torch.int32),
                           torch.tensor([2], dtype=torch.int32), torch.zeros(1, 5,
                                                                             dtype=torch.int64)))
+    # Each prefix of the accepted path (root, 2, 5: off the first child) in its column, as
+    # vLLM's chain over that path leaves them (align mode's block-boundary checkpoints).
     _, vconv, vstate = chain([0, 2, 5])
-    torch.testing.assert_close(tstate[slots[0, 2]].float(), vstate[slots[0, 2]].float(),
-                               atol=2e-2, rtol=2e-2)
-    window = torch.cat([conv[slots[0, 0], :, :W - 1], x[[0, 2, 5]].T], 1)[:, -(W - 1):]
-    assert torch.equal(tconv[slots[0, 0], :, 2:2 + W - 1], window)
+    history = torch.cat([conv[slots[0, 0], :, :W - 1], x[[0, 2, 5]].T], 1)
+    for j in range(3):
+        torch.testing.assert_close(tstate[slots[0, j]].float(), vstate[slots[0, j]].float(),
+                                   atol=2e-2, rtol=2e-2)
+        assert torch.equal(tconv[slots[0, 0], :, j:j + W - 1], history[:, j + 1:j + W])
     assert not verify.active and verify.stash == []
 
 

@@ -186,9 +186,12 @@ def test_offsets_into_the_widened_buffers(impl: str) -> None:
     IMPLS[impl].commit_conv(after, xc, paths, slots, W, read_at=read, write_at=write)
     for r, (slot, o, w) in enumerate(zip(batch.request_slots, read.tolist(), write.tolist())):
         rows = paths[r][paths[r] >= 0]
-        new = torch.cat([buf[slot, :, o:o + W - 1], xc[rows].T], 1)[:, -(W - 1):]
-        assert torch.equal(after[slot, :, w:w + W - 1], new)
-        untouched = [c for c in range(W - 1 + extra) if not w <= c < w + W - 1]
+        seq = torch.cat([buf[slot, :, o:o + W - 1], xc[rows].T], 1)
+        assert torch.equal(after[slot, :, w:w + W - 1], seq[:, -(W - 1):])
+        # Before the new window, as vLLM's chain leaves its buffer: the entries before it.
+        first = max(0, w - len(rows))
+        assert torch.equal(after[slot, :, first:w], seq[:, first + len(rows) - w:len(rows)])
+        untouched = [c for c in range(W - 1 + extra) if not first <= c < w + W - 1]
         assert torch.equal(after[slot, :, untouched], buf[slot, :, untouched])
 
     free = [s for s in range(R + 3) if s not in batch.request_slots]
@@ -202,3 +205,17 @@ def test_offsets_into_the_widened_buffers(impl: str) -> None:
         torch.testing.assert_close(state[d].double(), want, atol=2e-5, rtol=2e-5)
         if d != slot:
             assert torch.equal(state[slot], x["state"][slot])
+
+    # A slot per accepted row (vLLM's speculative slots): the state after each prefix.
+    table = torch.randperm(R * paths.shape[1], generator=g).view(R, -1) + R + 3
+    state = torch.cat([x["state"], torch.zeros(table.numel(), *x["state"].shape[1:])])
+    IMPLS[impl].commit_gdn(state, x["k"], x["v"], x["g"], x["beta"], paths, slots, table)
+    for r, slot in enumerate(batch.request_slots):
+        rows = paths[r][paths[r] >= 0]
+        for j in range(len(rows)):
+            _, want = ref.gdn_chain(x["q"][rows[:j + 1]], x["k"][rows[:j + 1]],
+                                    x["v"][rows[:j + 1]], x["g"][rows[:j + 1]],
+                                    x["beta"][rows[:j + 1]], x["state"][slot], 1.0)
+            torch.testing.assert_close(state[table[r, j]].double(), want, atol=2e-5, rtol=2e-5)
+        assert not state[table[r, len(rows):]].any()  # rows not accepted: no state written
+        assert torch.equal(state[slot], x["state"][slot])

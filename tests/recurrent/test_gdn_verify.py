@@ -42,7 +42,12 @@ def metadata(qsl: list[int], accepted: list[int], slots: torch.Tensor) -> Simple
     return SimpleNamespace(num_spec_decodes=S, spec_query_start_loc=torch.tensor(qsl),
                            spec_state_indices_tensor=slots,
                            num_accepted_tokens=torch.tensor(accepted),
-                           spec_sequence_masks_cpu=None)
+                           spec_sequence_masks=None, spec_sequence_masks_cpu=None)
+
+
+def tree_verify(depth: int) -> GDNTreeVerify:
+    """The engine's verifier at this file's sizes: up to 4 requests of 16 nodes, 64 rows."""
+    return GDNTreeVerify(depth, max_reqs=4, max_nodes=16, max_rows=64)
 
 
 def caches(g: torch.Generator, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +74,7 @@ def test_chains_match_vllms_spec_path_and_commit(seed: int) -> None:
     vconv, vstate = conv.clone(), state.clone()
     want = _spec_forward(layer, md, x, b, a, vconv, vstate, W, W - 1 + SPEC)
 
-    verify = GDNTreeVerify(depth=SPEC)
+    verify = tree_verify(SPEC)
     node = torch.arange(SPEC + 1)
     verify.begin_step((node - 1).expand(S, SPEC + 1))  # chains: each node's parent is the last
     tconv, tstate = conv.clone(), state.clone()
@@ -109,7 +114,7 @@ def test_tree_nodes_match_vllms_path_run_as_chains() -> None:
     x = torch.randn(N, CONV, generator=g).bfloat16()
     a, b = torch.randn(N, HV, generator=g).bfloat16(), torch.randn(N, HV, generator=g).bfloat16()
     md = metadata([0, N], [1], slots)
-    verify = GDNTreeVerify(depth=4)
+    verify = tree_verify(4)
     verify.begin_step(torch.tensor([parents]))
     got = verify.spec_forward(layer, md, x, b, a, conv.clone(), state.clone(), W, W - 1 + SPEC)
 
@@ -140,7 +145,7 @@ def test_tree_nodes_match_vllms_path_run_as_chains() -> None:
         torch.testing.assert_close(tstate[slots[0, j]].float(), vstate[slots[0, j]].float(),
                                    atol=2e-2, rtol=2e-2)
         assert torch.equal(tconv[slots[0, 0], :, j:j + W - 1], history[:, j + 1:j + W])
-    assert not verify.active and verify.stash == []
+    assert not verify.active
 
 
 def test_vllms_spec_path_rolls_short_rows_like_the_gpu() -> None:
@@ -201,7 +206,7 @@ def test_vllms_cuda_gdn_path_takes_the_tree_path(impl: str, dim_first: bool,
                       torch.tensor([3, 3, 0], dtype=torch.int32),
                       torch.zeros(S, SPEC + 1, dtype=torch.int64))
 
-    cpu_verify = GDNTreeVerify(depth=4)  # the CPU hook's path: the oracle here
+    cpu_verify = tree_verify(4)  # the CPU hook's path: the oracle here
     cpu_verify.begin_step(parents)
     want_conv, want_state = conv.clone(), state.clone()
     md = GDNAttentionMetadata(
@@ -222,7 +227,7 @@ def test_vllms_cuda_gdn_path_takes_the_tree_path(impl: str, dim_first: bool,
     cuda_layer = SimpleNamespace(**vars(layer), prefix="layers.0.linear_attn",
                                  enable_packed_recurrent_decode=False,
                                  kv_cache=(conv_cache, state.clone()),
-                                 ddtree_verify=GDNTreeVerify(depth=4))
+                                 ddtree_verify=tree_verify(4))
     cuda_layer.ddtree_verify.begin_step(parents)
     monkeypatch.setattr(gdn, "get_forward_context",
                         lambda: SimpleNamespace(attn_metadata={cuda_layer.prefix: md}))

@@ -219,3 +219,25 @@ def test_offsets_into_the_widened_buffers(impl: str) -> None:
             torch.testing.assert_close(state[table[r, j]].double(), want, atol=2e-5, rtol=2e-5)
         assert not state[table[r, len(rows):]].any()  # rows not accepted: no state written
         assert torch.equal(state[slot], x["state"][slot])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_request_without_rows_is_left_alone(impl: str) -> None:
+    """The engine commits every batch row at once (gdn_verify.commit): a row not verified
+    this step has no path (all -1), and its conv buffer and states stay as they were, in the
+    widened layout and with a slot per row."""
+    g = torch.Generator().manual_seed(3)
+    x = gdn_inputs(4, 1, 2, 16, 16, 6, g)
+    C, W, extra = 8, 4, 3
+    xc = torch.randn(4, C, generator=g)
+    buf = torch.randn(6, C, W - 1 + extra, generator=g)
+    paths = torch.tensor([[0, 2, -1], [-1, -1, -1]])  # row 1: not verified
+    slots = torch.tensor([1, 4])
+    after, state = buf.clone(), x["state"].clone()
+    IMPLS[impl].commit_conv(after, xc, paths, slots, W, read_at=torch.tensor([1, 2]),
+                            write_at=torch.tensor([1, 0]))
+    IMPLS[impl].commit_gdn(state, x["k"], x["v"], x["g"], x["beta"], paths, slots,
+                           torch.tensor([[1, 2, 3], [4, 5, 0]]))
+    assert torch.equal(after[4], buf[4]) and not torch.equal(after[1], buf[1])
+    assert torch.equal(state[[0, 4, 5]], x["state"][[0, 4, 5]])
+    assert not torch.equal(state[2], x["state"][2])

@@ -62,111 +62,159 @@ def _conv_weight(layer: Any) -> torch.Tensor:
 
 
 @dataclass
-class _Stashed:
-    """One GDN layer's verify step: where its committed window and state live, and the
-    inputs of its spec rows."""
-    conv_buf: torch.Tensor  # [slots, C, W - 1 + extra]
-    ssm_state: torch.Tensor  # [slots, Hv, K, V] (the backend's view)
+class _Stash:
+    """One GDN layer's verify step, in buffers allocated at the layer's first step and
+    rewritten by every later one (inside a captured graph too): its caches, the spec rows'
+    conv inputs and outputs and gates, and per batch row its state slots and the committed
+    column it read."""
+    layer: Any
+    conv_buf: torch.Tensor  # [slots, C, W - 1 + extra] (the cache: fixed)
+    ssm_state: torch.Tensor  # [slots, Hv, K, V] (the backend's view: fixed)
     width: int
-    x: torch.Tensor  # [T, C] conv inputs of the spec rows
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    slots: torch.Tensor  # [S, 1 + num_spec] state slots of the spec requests
-    read_at: torch.Tensor  # [S] the committed column / slot: num_accepted - 1
-
-
-@dataclass
-class _Forest:
-    """The step's spec rows as a forest: the same for every GDN layer of the step (their
-    state slots differ: each layer may be a KV-cache group of its own)."""
-    qsl: torch.Tensor  # [S + 1] spec rows of each spec request
-    batch_rows: torch.Tensor  # [S] the spec requests' rows in the batch (and the verdict)
-    req: torch.Tensor  # [T] each row's spec request
-    parents: torch.Tensor  # [T] each row's parent row, -1 for a root
+    x: torch.Tensor  # [rows, C] conv inputs of the spec rows
+    conv_out: torch.Tensor  # [rows, C] (q, k, v: layer.rearrange_mixed_qkv)
+    g: torch.Tensor  # [rows, Hv] float32
+    beta: torch.Tensor  # [rows, Hv] float32
+    slots: torch.Tensor  # [batch rows, 1 + depth] state slots (0 where not verified)
+    read_at: torch.Tensor  # [batch rows] the committed column read: num_accepted - 1
 
 
 class GDNTreeVerify:
-    """Per engine: the step's trees for the GDN layers, their stash, and the commit."""
+    """Per engine: the step's trees for the GDN layers, their stash, and the commit.
 
-    def __init__(self, depth: int) -> None:
-        self.depth = depth
-        self.parents: torch.Tensor | None = None  # [R, N] local parents per batch row
-        self.stash: list[_Stashed] = []
-        self.forest: _Forest | None = None  # built by the step's first GDN layer
+    Graph-safe: what the commit reads lives in buffers allocated once, written inside the
+    forward by device operations only, with no host read, so that a CUDA graph's replay
+    (whose Python never runs) refreshes them as an eager step does. Host state: whether the
+    step verifies (``begin_step``), and the layers' stash buffers (kept from the first step).
+    """
+
+    def __init__(self, depth: int, max_reqs: int, max_nodes: int, max_rows: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.depth, self.max_rows = depth, max_rows
+        # Local parents per batch row (the step's trees, written by begin_step): chains
+        # until then, so that a graph captured before any step verifies chains.
+        node = torch.arange(max_nodes, device=device)
+        self.parents = (node - 1).repeat(max_reqs, 1)
+        # Each batch row's first spec row in the step, -1 for a row not verified.
+        self.row0 = torch.full((max_reqs,), -1, dtype=torch.long, device=device)
+        self.stash: dict[int, _Stash] = {}  # by id(layer), in the order the layers run
+        self.verifying = False  # begin_step: this step has trees (the commit follows)
+        self._forest: tuple[torch.Tensor, ...] | None = None  # the step's, from its first layer
         self.commits = 0  # layer steps committed (host count, for tests and stats)
 
     @property
     def active(self) -> bool:
-        """Within a ddtree verify step (else the layers run vLLM's own spec path)."""
-        return self.parents is not None
+        """Whether the layers' spec rows take the tree path: within a verify step, and while
+        a CUDA graph is captured (ddtree captures FULL graphs of verify steps only, with
+        tree_budget + 1 rows a request; its replays then verify trees)."""
+        return self.verifying or (self.parents.is_cuda and
+                                  torch.cuda.is_current_stream_capturing())
 
     def begin_step(self, parents: torch.Tensor | None) -> None:
         """This step's local parents per batch row (None: no verify step)."""
-        self.parents = parents
-        self.stash.clear()
-        self.forest = None
+        self.verifying, self._forest = parents is not None, None
+        if parents is not None:
+            self.parents[:parents.shape[0], :parents.shape[1]].copy_(parents)
 
-    def _forest(self, md: Any, T: int, dev: torch.device) -> _Forest:
-        if self.forest is None:
+    def _rows(self, md: Any, T: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+        """Each spec row's parent row (-1: a root) and spec request, and each spec request's
+        batch row, from the step's metadata (the same for every GDN layer of the step),
+        without a host read; each batch row's first spec row goes to ``row0``."""
+        if self._forest is None:
             S = md.num_spec_decodes
             qsl = md.spec_query_start_loc[:S + 1].long()
-            mask = md.spec_sequence_masks_cpu
-            batch_rows = (torch.arange(S) if mask is None else mask.nonzero()[:, 0]).to(dev)
+            mask = md.spec_sequence_masks
+            if mask is None:
+                batch_rows = torch.arange(S, device=dev)
+                is_spec = torch.ones(S, dtype=torch.bool, device=dev)
+            else:  # the i-th spec request is the batch row holding the i-th True
+                is_spec = mask.bool()
+                batch_rows = torch.searchsorted(is_spec.long().cumsum(0),
+                                                torch.arange(1, S + 1, device=dev))
+            rank = is_spec.long().cumsum(0) - 1
+            self.row0.fill_(-1)
+            n = is_spec.shape[0]
+            self.row0[:n] = torch.where(is_spec, qsl[rank.clamp(0, S)], -1)
             t = torch.arange(T, device=dev)
-            req = torch.searchsorted(qsl[1:], t, right=True)
+            req = torch.searchsorted(qsl[1:], t, right=True).clamp(max=S - 1)
             node = t - qsl[req]
-            local = self.parents.long()[batch_rows[req],
-                                        node.clamp(max=self.parents.shape[1] - 1)]
+            local = self.parents[batch_rows[req], node.clamp(max=self.parents.shape[1] - 1)]
             parents = torch.where((local >= 0) & (node > 0), qsl[req] + local, -1)
-            self.forest = _Forest(qsl, batch_rows, req, parents)
-        return self.forest
+            self._forest = parents, req, batch_rows
+        return self._forest
 
     def spec_forward(self, layer: Any, md: Any, x: torch.Tensor, b: torch.Tensor,
                      a: torch.Tensor, conv_buf: torch.Tensor, ssm_state: torch.Tensor,
                      width: int, state_len: int) -> torch.Tensor:
         """The spec rows' core output ``[T, Hv, V]`` over their trees (the arguments of
         vLLM's CPU _spec_forward; from the CUDA path, patch 0008, the same values)."""
-        assert self.parents is not None, "spec_forward outside a ddtree verify step"
-        S = md.num_spec_decodes
-        f = self._forest(md, x.shape[0], x.device)
+        S, T = md.num_spec_decodes, x.shape[0]
+        parents, req, batch_rows = self._rows(md, T, x.device)
         slots = md.spec_state_indices_tensor[:S].long()
         read_at = md.num_accepted_tokens[:S].long() - 1
         impl = _impl(x.device)
         conv_out = impl.tree_conv(x, _conv_weight(layer), layer.conv1d.bias, conv_buf,
-                                  f.parents, slots[f.req, 0], offsets=read_at[f.req])
+                                  parents, slots[req, 0], offsets=read_at[req])
         q, k, v = (y.squeeze(0) for y in layer.rearrange_mixed_qkv(conv_out))
         # Qwen's gates, as vLLM's fused kernels compute them (softplus threshold 20).
         g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
         beta = b.float().sigmoid()
-        out = impl.tree_gdn(q, k, v, g, beta, ssm_state, f.parents,
-                            slots.gather(1, read_at[:, None])[f.req, 0], k.shape[-1] ** -0.5,
+        out = impl.tree_gdn(q, k, v, g, beta, ssm_state, parents,
+                            slots.gather(1, read_at[:, None])[req, 0], k.shape[-1] ** -0.5,
                             max_depth=self.depth)
-        self.stash.append(_Stashed(conv_buf, ssm_state, width, x, k, v, g, beta, slots,
-                                   read_at))
+        st = self._stash_of(layer, conv_buf, ssm_state, width, x, g, slots.shape[1])
+        st.x[:T].copy_(x)
+        st.conv_out[:T].copy_(conv_out)
+        st.g[:T].copy_(g)
+        st.beta[:T].copy_(beta)
+        st.slots.zero_()
+        st.slots[batch_rows, :slots.shape[1]] = slots
+        st.read_at.zero_()
+        st.read_at[batch_rows] = read_at
         return out
 
+    def _stash_of(self, layer: Any, conv_buf: torch.Tensor, ssm_state: torch.Tensor,
+                  width: int, x: torch.Tensor, g: torch.Tensor, cols: int) -> _Stash:
+        st = self.stash.get(id(layer))
+        if st is None:
+            rows, reqs = self.max_rows, self.row0.shape[0]
+
+            def empty(*shape: int, like: torch.Tensor) -> torch.Tensor:
+                return torch.zeros(*shape, dtype=like.dtype, device=like.device)
+
+            st = _Stash(layer, conv_buf, ssm_state, width, empty(rows, x.shape[1], like=x),
+                        empty(rows, x.shape[1], like=x), empty(rows, g.shape[1], like=g),
+                        empty(rows, g.shape[1], like=g),
+                        torch.zeros(reqs, cols, dtype=torch.long, device=x.device),
+                        torch.zeros(reqs, dtype=torch.long, device=x.device))
+            self.stash[id(layer)] = st
+        st.conv_buf, st.ssm_state, st.width = conv_buf, ssm_state, width  # the engine's: fixed
+        return st
+
     def commit(self, verdict: Verdict) -> None:
-        """After the walk: each GDN layer's accepted paths into the committed state."""
-        if self.stash:
-            f = self.forest
-            accepted = verdict.accepted.long()[f.batch_rows]  # [S, D] local nodes
-            n = verdict.num_accepted.long()[f.batch_rows]
-            local = torch.cat([torch.zeros_like(accepted[:, :1]), accepted], 1)
-            paths = torch.where(local >= 0, f.qsl[:-1, None] + local, -1)
-        for s in self.stash:
-            impl = _impl(s.x.device)
-            impl.commit_conv(s.conv_buf, s.x, paths, s.slots[:, 0], s.width,
-                             read_at=s.read_at, write_at=n)
+        """After the walk: each GDN layer's accepted paths into the committed state, for
+        every batch row verified (``row0``); others are left alone."""
+        if not (self.verifying and self.stash):
+            self.verifying = False
+            return
+        R = verdict.accepted.shape[0]
+        accepted = verdict.accepted.long()  # [R, D] local nodes
+        n = verdict.num_accepted.long()
+        local = torch.cat([torch.zeros_like(accepted[:, :1]), accepted], 1)
+        row0 = self.row0[:R, None]
+        paths = torch.where((local >= 0) & (row0 >= 0), row0 + local, -1)
+        for st in self.stash.values():
+            impl = _impl(st.x.device)
+            q, k, v = (y.squeeze(0) for y in st.layer.rearrange_mixed_qkv(st.conv_out))
+            slots, read_at = st.slots[:R], st.read_at[:R]
+            impl.commit_conv(st.conv_buf, st.x, paths, slots[:, 0], st.width,
+                             read_at=read_at, write_at=n)
             # Every accepted row's state in its column, as vLLM's chain leaves them: align
             # mode checkpoints a block boundary inside the path from there.
-            impl.commit_gdn(s.ssm_state, s.k, s.v, s.g, s.beta, paths,
-                            s.slots.gather(1, s.read_at[:, None])[:, 0],
-                            s.slots[:, :paths.shape[1]])
+            impl.commit_gdn(st.ssm_state, k, v, st.g, st.beta, paths,
+                            slots.gather(1, read_at[:, None])[:, 0], slots[:, :paths.shape[1]])
         self.commits += len(self.stash)
-        self.stash.clear()
-        self.parents = self.forest = None
+        self.verifying, self._forest = False, None
 
 
 def gdn_layers(runner: Any) -> list[Any]:

@@ -117,7 +117,8 @@ def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
     place. As vLLM's spec path leaves its buffer, the columns before ``write_at`` hold the
     entries before the new window (column c: entry ``c + length - write_at`` of the old
     window then the path), so with ``write_at = length - 1`` the window after the path's
-    row j starts at column j: where vLLM's align mode reads a block boundary's window."""
+    row j starts at column j: where vLLM's align mode reads a block boundary's window. A
+    request with no row (a batch row not verified this step) is left alone."""
     R, P = paths.shape
     W1, C, dev = width - 1, x.shape[1], x.device
     zeros = torch.zeros(R, dtype=torch.long, device=dev)
@@ -129,7 +130,7 @@ def commit_conv(conv_state: torch.Tensor, x: torch.Tensor, paths: torch.Tensor,
     seq = torch.cat([old, x[paths.clamp(min=0)].transpose(1, 2).to(old.dtype)], 2)
     length = (paths >= 0).sum(1)
     entry = (length - write)[:, None] + cols  # [R, columns]
-    live = (entry >= 0) & (cols < (write + W1)[:, None])
+    live = (entry >= 0) & (cols < (write + W1)[:, None]) & (length > 0)[:, None]
     entry = entry.clamp(0, W1 + P - 1)[:, None, :].expand(R, C, -1)
     conv_state[slots] = torch.where(live[:, None, :], seq.gather(2, entry), buf)
 

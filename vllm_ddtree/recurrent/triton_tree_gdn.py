@@ -166,7 +166,7 @@ def _commit_conv_kernel(X, ConvState, paths, slots, read_at, write_at, P, C, NCO
     # new window's end (torch_tree_gdn.commit_conv); all loads before the store.
     c = tl.arange(0, BCOLS)
     at = c + length - write
-    live = (at >= 0) & (c < write + W1) & (c < NCOLS)
+    live = (at >= 0) & (c < write + W1) & (c < NCOLS) & (length > 0)
     from_old = at < W1
     base = ConvState + slot * stride_sn + offs[:, None] * stride_sc
     old = tl.load(base + (read + at)[None, :] * stride_sw,

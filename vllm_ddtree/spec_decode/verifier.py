@@ -28,6 +28,7 @@ from vllm_ddtree import ops
 from vllm_ddtree.attention.tree_batch import hand_to_builders
 from vllm_ddtree.recurrent.gdn_verify import GDNTreeVerify, gdn_layers
 from vllm_ddtree.recurrent.limits import verify_tree_fits_state_block
+from vllm_ddtree.spec_decode import node_sampling
 from vllm_ddtree.spec_decode.accepted_path import AcceptedPathCommit
 from vllm_ddtree.spec_decode.rejection_sampler import (
     TreeRejectionSampler,
@@ -92,7 +93,10 @@ class TreeVerifier:
         layers = gdn_layers(vllm_config)
         if layers:
             verify_tree_fits_state_block(vllm_config.cache_config, self.budget)
-            self.gdn = GDNTreeVerify(self.max_depth)
+            self.gdn = GDNTreeVerify(self.max_depth, self.trees.parents.shape[0],
+                                     self.budget + 1,
+                                     node_sampling.max_verify_rows(vllm_config, self.budget),
+                                     self.trees.first_child.device)
             for layer in layers:
                 layer.ddtree_verify = self.gdn  # read by the hooks of patches 0005, 0008
         self.commit = AcceptedPathCommit(vllm_config, kv_cache_config, block_tables,

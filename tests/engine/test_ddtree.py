@@ -321,7 +321,8 @@ STEP_FILES = ("spec_decode/speculator.py", "spec_decode/verifier.py",
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "cuda-on-interpreter", "cpu-adaptive"])
+@pytest.mark.parametrize("backend", ["cpu", "cuda-on-interpreter", "cpu-adaptive",
+                                     "cpu-hybrid"])
 def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
                                              request: pytest.FixtureRequest,
                                              backend: str) -> None:
@@ -333,7 +334,10 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
     planning is host work by design, and not among them). With TREE_ATTN's CUDA backend
     (its kernel on the interpreter) the backend's build, forward and KV compaction too;
     with adaptive trees (fixed costs that size them step by step) the sizing's device work:
-    the calibration's counts and the trees' scores (its host side reads host copies)."""
+    the calibration's counts and the trees' scores (its host side reads host copies); on a
+    hybrid target (the tiny Qwen3-Next, prefix caching on) the GDN tree path's forest, stash
+    and commit (gdn_verify.py; its CPU kernels' planning is host work by design, its Triton
+    kernels' capture is tests/recurrent/test_gdn_graph_replay.py's)."""
     import sys
 
     import torch
@@ -362,8 +366,13 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
             return original(self, *args, **kwargs)
         return wrapper
 
-    llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=512, seed=0,
-              dtype="float32", max_num_seqs=8, speculative_config=spec)
+    pair, dtype = PAIR, "float32"
+    if backend == "cpu-hybrid":
+        pair, dtype = request.getfixturevalue("tiny_hybrid"), "bfloat16"
+        spec["model"] = str(pair / "drafter")
+        step_files += ("recurrent/gdn_verify.py",)
+    llm = LLM(model=str(pair / "target"), enforce_eager=True, max_model_len=512, seed=0,
+              dtype=dtype, max_num_seqs=8, speculative_config=spec)
     if backend == "cpu-adaptive":
         from engine_helpers import fixed_step_costs, use_step_costs
 
@@ -396,6 +405,8 @@ def test_the_step_never_waits_for_the_device(monkeypatch: pytest.MonkeyPatch,
                    for m in runner.model.modules())
     verifier = runner.speculator.verifier
     assert verifier.stats()["verified_rows"] > 0  # the read-out syncs, outside the step
+    if backend == "cpu-hybrid":
+        assert verifier.gdn.commits > 0
     read_out = ["__int__ in spec_decode/verifier.py:stats"] * 2
     if backend == "cpu-adaptive":
         assert sizing.counters["min_nodes"] < sizing.counters["max_nodes"]

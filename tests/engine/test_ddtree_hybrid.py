@@ -336,6 +336,43 @@ def test_prefix_caching_is_the_target_without(caching_baselines, monkeypatch, ar
             assert any(off for _, _, off in crossings), crossings
 
 
+@pytest.mark.slow
+def test_full_graph_metadata_stays_lossless(hybrid_baselines, monkeypatch) -> None:
+    """The GDN metadata FULL CUDA graphs read: with the GDN builders staging every verify
+    step's metadata into their persistent graph buffers (as under FULL graphs on a GPU; the
+    CPU runs eagerly, so the buffers are read directly), output stays the target's with
+    trees accepted deep. The state-slot buffer is as wide as the tree's columns (patch 0006:
+    a budget-wide buffer failed to take them)."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    pair, baseline, truth = hybrid_baselines("qwen3_next")
+    with_oracle(monkeypatch, truth, seed=16)
+    _, llm = generate(pair, tree_spec(pair, 16), prompts=PROMPTS[:1], max_tokens=1)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    builders = [b for groups in runner.attn_groups for g in groups
+                for b in g.metadata_builders if isinstance(b, GDNAttentionMetadataBuilder)]
+    staged = []
+    stage = GDNAttentionMetadataBuilder._stage_spec_decode
+
+    def counted(self, *args):  # noqa: ANN001, ANN002, ANN202
+        staged.append(stage(self, *args))
+        return staged[-1]
+
+    monkeypatch.setattr(GDNAttentionMetadataBuilder, "_stage_spec_decode", counted)
+    for builder in builders:
+        builder.use_full_cuda_graph = True
+        assert builder.spec_state_indices_tensor.shape[1] == runner.speculator.depth + 1
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = {o.prompt: list(o.outputs[0].token_ids)
+           for o in llm.generate(PROMPTS, params, use_tqdm=False)}
+    assert builders and any(staged)
+    assert got == {p: t[:MAX_TOKENS] for p, t in baseline.items()}
+    assert tree_stats(llm)["longest_accepted"] >= 3
+
+
 def test_adaptive_trees_are_refused_on_hybrids(tiny_hybrid: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
 

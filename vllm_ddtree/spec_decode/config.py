@@ -199,7 +199,6 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
 def verify_vllm_config(vllm_config: Any) -> None:
     """In VllmConfig.__post_init__ (patch 0002, for any speculative config), before the CUDA
     graph sizes are resolved: what the tree methods need beyond the speculative config."""
-    from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
     if not is_tree_method(vllm_config.speculative_config):
@@ -216,12 +215,6 @@ def verify_vllm_config(vllm_config: Any) -> None:
         verify_stash_fits(vllm_config, memory_beside_kv_cache(vllm_config,
                                                                 current_platform))
         verify_states_fit(vllm_config, current_platform)
-        if current_platform.is_cuda() and cc.cudagraph_mode != CUDAGraphMode.NONE:
-            # The GDN layers' tree path reads the step's trees on the host (the forest of
-            # spec rows, the stash, the commit): a captured graph would replay its capture's.
-            logger.warning("method 'ddtree' on a hybrid target runs without CUDA graphs "
-                           "(the Gated DeltaNet tree path is not graph-safe yet)")
-            cc.cudagraph_mode = CUDAGraphMode.NONE
     if not current_platform.is_cpu():  # the CPU platform: the speculator (CPU_ATTN's place)
         select_tree_attention(vllm_config)
     if (cc.max_decode_cudagraph_capture_requests is None

@@ -137,7 +137,7 @@ main() {
     step "ddtree inside vLLM: lossless against the target alone, CUDA graphs, Triton TREE_ATTN"
     check "ddtree lossless in vLLM" 300 "$PY" -m pytest -q -p no:cacheprovider -x \
       tests/cuda/test_engine_cuda.py
-    step "ddtree on hybrid targets inside vLLM: the CUDA GDN tree path, lossless"
+    step "ddtree on hybrid targets inside vLLM: the CUDA GDN tree path in FULL graphs, prefix caching on, lossless"
     check "ddtree lossless on hybrids in vLLM" 240 "$PY" -m pytest -q -p no:cacheprovider \
       tests/cuda/test_engine_hybrid_cuda.py
     step "throughput at Qwen3-8B shapes (dummy weights, synthetic acceptance)"

@@ -17,6 +17,8 @@ its error. Writes OUT/throughput.md, .json and .png.
   scripts/bench_gpu_throughput.py --out bench-gpu --time-budget-s 390     # an H200
   scripts/bench_gpu_throughput.py --shape tiny --concurrency 1 2 --output-len 32 \
       --tree 8:4.0 --dynamic 8:16                                         # CPU
+  scripts/bench_gpu_throughput.py --shape tiny-hybrid --chain-acceptance 4 \
+      --tree 8:4.0 16:4.5 64:5.0 --dynamic                   # a hybrid target (Qwen3-Next)
 
 With VLLM_DDTREE_STANDIN_OPS=1 every engine gets gpu_machine.standin_ops's
 environment and engine arguments (a stand-in for vLLM's compiled ops), and every row says so.
@@ -50,7 +52,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench_acceptance import counters, step_token_schedule  # noqa: E402
-from make_tiny_models import layer_weights, qwen3_config, train_tokenizer  # noqa: E402
+from make_tiny_models import (  # noqa: E402
+    BLOCK_SIZE,
+    layer_weights,
+    make_hybrid,
+    qwen3_config,
+    train_tokenizer,
+)
 
 SYNTHETIC = "synthetic acceptance"
 STANDIN = "compiled-op stand-in"
@@ -64,6 +72,7 @@ class Shape:
     target_layer_ids: list[int]
     block_size: int = 16
     mask_token_id: int | None = None  # None: the tokenizer's <|mask|>
+    hybrid: str | None = None  # make_tiny_models' hybrid pair of this architecture instead
 
 
 QWEN3_8B_LAYER = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
@@ -79,6 +88,10 @@ SHAPES = {
     "tiny": Shape(target=dict(TINY_LAYER, num_hidden_layers=4),
                   drafter=dict(TINY_LAYER, num_hidden_layers=1), vocab_size=1024,
                   target_layer_ids=[0, 2]),
+    # make_tiny_models' hand-built Qwen3-Next (Gated DeltaNet + attention) and its DFlash
+    # drafter: the hybrid verify step (the GDN tree path, in CUDA graphs on a GPU).
+    "tiny-hybrid": Shape(target={}, drafter={}, vocab_size=0, target_layer_ids=[],
+                         block_size=BLOCK_SIZE, hybrid="qwen3_next"),
 }
 
 
@@ -138,6 +151,9 @@ def write_models(out: Path, shape: Shape, seed: int = 0, weights: bool = True
     from safetensors.torch import save_file
 
     target, drafter = out / "target", out / "drafter"
+    if shape.hybrid is not None:
+        make_hybrid(out, seed, arch=shape.hybrid)
+        return target, drafter
     target.mkdir(parents=True, exist_ok=True)
     drafter.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(target, shape.vocab_size)

@@ -140,6 +140,13 @@ main() {
     step "ddtree on hybrid targets inside vLLM: the CUDA GDN tree path in FULL graphs, prefix caching on, lossless"
     check "ddtree lossless on hybrids in vLLM" 240 "$PY" -m pytest -q -p no:cacheprovider \
       tests/cuda/test_engine_hybrid_cuda.py
+    step "hybrid verify steps beside the chain (tiny Qwen3-Next, synthetic acceptance)"
+    # Its table alone comes back (a lent machine brings back eight files).
+    hybrid=$(mktemp -d)
+    check "hybrid throughput" 150 "$PY" scripts/bench_gpu_throughput.py --shape tiny-hybrid \
+      --time-budget-s 120 --concurrency 1 8 --output-len 128 --chain-acceptance 4 \
+      --tree 8:4.0 16:4.5 64:5.0 --dynamic --out "$hybrid"
+    cp "$hybrid/throughput.md" "$OUT/throughput_hybrid.md" 2>/dev/null || true
     step "throughput at Qwen3-8B shapes (dummy weights, synthetic acceptance)"
     # What is left, less about 3 minutes for the CUDA op tests and timings after it.
     budget=$(left_s 180)

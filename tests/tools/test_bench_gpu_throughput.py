@@ -22,10 +22,10 @@ SCRIPT = REPO / "scripts" / "bench_gpu_throughput.py"
 ACCEPTANCE_TOLERANCE = 0.5
 
 
-def bench(out: Path, models: Path, *args: str, env: dict | None = None
+def bench(out: Path, models: Path, *args: str, env: dict | None = None, shape: str = "tiny"
           ) -> tuple[dict, str]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "tiny", "--out", str(out),
+        [sys.executable, str(SCRIPT), "--shape", shape, "--out", str(out),
          "--models-dir", str(models), "--repeats", "1", *args],
         capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -84,6 +84,22 @@ def test_bench_gpu_throughput_tiny(tmp_path: Path) -> None:
     if standin:
         assert "compiled-op stand-in" in data["title"]
         assert all("compiled-op stand-in" in r["label"] for r in data["results"])
+
+
+@pytest.mark.slow
+def test_bench_gpu_throughput_on_a_hybrid_target(tmp_path: Path) -> None:
+    """--shape tiny-hybrid (gpu_check.sh's hybrid step): make_tiny_models' Qwen3-Next and its
+    drafter, the chain and trees at synthetic acceptance, every mode measured."""
+    data, _ = bench(tmp_path / "hybrid", tmp_path / "models", "--concurrency", "1",
+                    "--output-len", "32", "--chain-acceptance", "4", "--tree", "8:4.0",
+                    "16:4.5", "--dynamic", shape="tiny-hybrid")
+    assert data["failed"] == [] and data["skipped"] == []
+    rows = {r["mode"]: r for r in data["results"]}
+    assert list(rows) == ["no speculation", "dflash chain k=7", "ddtree B=8", "ddtree B=16"]
+    config = json.loads((tmp_path / "models" / "target" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3NextForCausalLM"]
+    for mode, want in (("dflash chain k=7", 4.0), ("ddtree B=8", 4.0), ("ddtree B=16", 4.5)):
+        assert abs(rows[mode]["acceptance_length"] - want) <= ACCEPTANCE_TOLERANCE, rows[mode]
 
 
 def test_time_budget_estimate_and_skip() -> None:

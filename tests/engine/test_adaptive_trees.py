@@ -182,10 +182,10 @@ def test_measured_costs_are_profiled_then_kept_current() -> None:
 
 @pytest.mark.slow
 def test_processed_and_structured_requests_are_cut_losslessly() -> None:
-    """Requests that draft chains (penalties, bad words; a regex, a JSON schema: vLLM's
-    processing and grammar masks along the drafts in order) batched with plain, min_tokens
-    and allowed_token_ids ones: their chains are cut to prefixes like trees, and output
-    equals the target alone's with the same parameters."""
+    """Requests that draft chains (penalties, bad words: vLLM's processing) batched with
+    structured ones (a regex, a JSON schema: trees, masked along them) and plain, min_tokens
+    and allowed_token_ids ones: chains and trees are cut to prefixes, and output equals the
+    target alone's with the same parameters."""
     import re
 
     from vllm import LLM, SamplingParams

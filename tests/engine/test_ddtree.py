@@ -233,9 +233,10 @@ def test_logits_processing_is_lossless() -> None:
 
 @pytest.mark.slow
 def test_structured_output_is_lossless() -> None:
-    """Regex and JSON-schema requests batched with plain ones: vLLM builds grammar masks
-    along the drafts in order, so they draft and are verified as chains; output equals the
-    target alone's and the regex is matched."""
+    """Regex and JSON-schema requests batched with plain ones, verified as trees (the
+    scheduler masks each node along its tree: grammar_tree.py; the oracle-drafted cases
+    are tests/engine/test_structured_trees.py): output equals the target alone's and the
+    regex is matched."""
     import re
 
     from vllm import SamplingParams

@@ -45,6 +45,13 @@ def _tree_attention_on_cpu() -> None:
     _cached_get_attn_backend.cache_clear()
 
 
+def _reasons(vllm_config: Any) -> bool:
+    """A reasoning parser: the grammar starts past the reasoning, a per-path bound the
+    scheduler's tree walk does not follow (structured requests then draft chains)."""
+    config = getattr(vllm_config, "structured_outputs_config", None)
+    return bool(getattr(config, "reasoning_parser", ""))
+
+
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
@@ -71,7 +78,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.trees = TreeStore(self.max_num_reqs, self.budget, self.depth, device,
                                scored=options.adaptive)
         self.verifier = TreeVerifier(self.trees, self.budget, self.depth,
-                                     vllm_config.speculative_config)
+                                     vllm_config.speculative_config,
+                                     grammar_trees=not _reasons(vllm_config))
         if device.type == "cpu":
             _tree_attention_on_cpu()
 
@@ -114,6 +122,22 @@ class DDTreeSpeculator(DFlashSpeculator):
             trees = padded(by_score(trees), self.budget)
         slots = self.sample_idx_mapping[:num_reqs * self.depth:self.depth]
         self.draft_tokens[:num_reqs] = self.trees.write(slots, trees, logits.argmax(dim=-1))
+
+    def draft_parents(self, draft: Any) -> list[list[int] | None] | None:
+        """Each request's drafts' parents (0: the root), None for a request drafting a chain:
+        the scheduler fills structured output's mask rows along the trees (patch 0014,
+        grammar_tree.py). Read after the step (take_draft_token_ids), and only when the
+        drafts themselves go to the scheduler (a batch with structured output; otherwise
+        they are placeholders, -1)."""
+        if all(not ids or ids[0] < 0 for ids in draft.draft_token_ids):
+            return None
+        slots = [self.req_states.req_id_to_index.get(r, self.trees.padding_slot)
+                 for r in draft.req_ids]
+        rows = torch.tensor(slots, device=self.trees.parents.device)
+        parents = self.trees.parents[rows].tolist()
+        chain = self.trees.chain_only[rows].tolist()
+        return [None if c else p[1:1 + len(ids)]
+                for p, c, ids in zip(parents, chain, draft.draft_token_ids)]
 
     def draft_logits_at(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The drafter's logits, ``[num_reqs * tree_depth, vocab]``, request-major."""

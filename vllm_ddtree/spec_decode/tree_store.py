@@ -2,9 +2,9 @@
 next verify step reads (the walk's links, the positions' depths, TREE_ATTN's masks).
 
 Requests whose logits processing reads the drafts before a row as that row's history
-(penalties, bad words, a thinking budget: vLLM's kernels count the rows before it) or whose
-grammar masks the scheduler builds along the drafts in order (structured output) draft the
-drafter's greedy chain instead, in their first ``depth`` nodes, and are verified as a chain:
+(penalties, bad words, a thinking budget: vLLM's kernels count the rows before it; structured
+output under a reasoning parser) draft the drafter's greedy chain instead, in their first
+``depth`` nodes, and are verified as a chain:
 causal attention, chain positions, vLLM's own processing (``chain_only``, set per request;
 ``chain``, how the stored drafts were built).
 """

@@ -66,8 +66,12 @@ class TreeVerifier:
     # off (adaptive trees are sized by adaptive/sizing.py, in the runner's manager's seat).
     enable_adaptive_verification = False
 
-    def __init__(self, trees: TreeStore, budget: int, depth: int, spec: Any) -> None:
+    def __init__(self, trees: TreeStore, budget: int, depth: int, spec: Any,
+                 grammar_trees: bool = True) -> None:
         self.trees, self.budget, self.max_depth = trees, budget, min(depth, budget)
+        # Structured output verifies trees (the scheduler masks each node along its tree:
+        # grammar_tree.py), unless a reasoning parser bounds the grammar per path.
+        self.grammar_trees = grammar_trees
         device = trees.first_child.device
         self.synthetic = None
         if spec.rejection_sample_method == "synthetic":  # benchmarking only
@@ -120,7 +124,7 @@ class TreeVerifier:
 
         self.trees.chain_only[req_index] = bool(
             use_penalty(params) or params.bad_words_token_ids
-            or params.structured_outputs is not None
+            or (params.structured_outputs is not None and not self.grammar_trees)
             or params.thinking_token_budget is not None)
 
     def begin_step(self, input_batch: Any) -> None:

@@ -65,12 +65,28 @@ def constrained_alone():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("budget", "max_num_seqs", "spine"),
-                         [(4, 1, True), (16, 8, True), (64, 8, False)])
+@pytest.mark.parametrize(("budget", "max_num_seqs", "spine", "async_scheduling"),
+                         [(4, 1, True, False), (16, 8, True, False), (64, 8, False, False),
+                          (16, 8, True, True)])
 def test_constrained_trees_are_the_target_alone(constrained_alone, monkeypatch, budget: int,
-                                                max_num_seqs: int, spine: bool) -> None:
+                                                max_num_seqs: int, spine: bool,
+                                                async_scheduling: bool) -> None:
+    """With async scheduling (a GPU's default; the CPU platform turns it off) the drafts and
+    their tree reach the scheduler after it scheduled placeholders, before the step's masks
+    (update_draft_token_ids_in_output)."""
+    from vllm.platforms.cpu import CpuPlatform
+
     from vllm_ddtree.spec_decode import grammar_tree
     from vllm_ddtree.spec_decode.speculator import DDTreeSpeculator
+
+    if async_scheduling:
+        original = CpuPlatform.check_and_update_config.__func__
+
+        def keep_async(cls, vllm_config) -> None:  # noqa: ANN001
+            original(cls, vllm_config)
+            vllm_config.scheduler_config.async_scheduling = True
+
+        monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
 
     truth = {tuple(ids): tokens for ids, tokens, _ in constrained_alone}
     monkeypatch.setattr(DDTreeSpeculator, "draft_logits_at", oracle_tree_logits(truth, budget))
@@ -84,6 +100,7 @@ def test_constrained_trees_are_the_target_alone(constrained_alone, monkeypatch, 
     spec = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": budget,
             "tree_spine": spine}
     llm, got = run(spec, max_num_seqs)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling == async_scheduling
     for (_, tokens, reason), (_, want, want_reason), (prompt, c) in zip(
             got, constrained_alone, REQUESTS):
         limit = MAX_TOKENS if c else MAX_TOKENS + 16
@@ -98,3 +115,42 @@ def test_constrained_trees_are_the_target_alone(constrained_alone, monkeypatch, 
     assert stats["longest_accepted"] >= 3, stats
     if budget > 4:
         assert stats["paths_off_the_index_line"] > 0, stats
+
+
+@pytest.mark.slow
+def test_preemption_and_aborts_keep_constrained_trees_lossless(constrained_alone,
+                                                               monkeypatch) -> None:
+    """Under a KV cache of 6 blocks of 32 tokens (requests preempted and resumed, their
+    grammar state kept by the scheduler, prompts prefilled in chunks of 64 tokens beside
+    verify steps), two requests aborted mid-stream: every other constrained and plain
+    request gets the target alone's tokens."""
+    from vllm import LLM
+
+    from vllm_ddtree.spec_decode.speculator import DDTreeSpeculator
+
+    truth = {tuple(ids): tokens for ids, tokens, _ in constrained_alone}
+    monkeypatch.setattr(DDTreeSpeculator, "draft_logits_at", oracle_tree_logits(truth, 5))
+    llm = LLM(model=str(PAIR / "target"), enforce_eager=True, max_model_len=128, seed=0,
+              dtype="float32", block_size=32, max_num_seqs=6, max_num_batched_tokens=64,
+              num_gpu_blocks_override=6, disable_log_stats=False,
+              speculative_config={"method": "ddtree", "model": str(PAIR / "drafter"),
+                                  "tree_budget": 16})
+    engine, done, aborted = llm.llm_engine, {}, ["r1", "r4"]
+    for i, (prompt, c) in enumerate(REQUESTS):
+        engine.add_request(f"r{i}", prompt, params_of(c))
+    for step in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 3:
+            engine.abort_request(aborted)
+        for out in engine.step():
+            if out.finished and out.request_id not in aborted:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert len(done) == len(REQUESTS) - len(aborted)
+    for rid, tokens in done.items():
+        i = int(rid[1:])
+        limit = MAX_TOKENS if REQUESTS[i][1] else MAX_TOKENS + 16
+        assert tokens == constrained_alone[i][1][:limit], REQUESTS[i]
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    assert metrics["vllm:num_preemptions"] > 0
+    assert tree_stats(llm)["longest_accepted"] >= 3

@@ -154,3 +154,48 @@ def test_preemption_and_aborts_keep_constrained_trees_lossless(constrained_alone
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     assert metrics["vllm:num_preemptions"] > 0
     assert tree_stats(llm)["longest_accepted"] >= 3
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_constrained_distribution(monkeypatch) -> None:
+    """Temperature 1 under a regex that leaves the words to the model: the 2nd and 3rd
+    tokens (the first ones speculation produces) are distributed as the target alone's
+    under the same regex, with trees (budget 16, no spine) of an oracle drafter shown the greedy
+    constrained continuation, so that sampled nodes are accepted too. Fails below a
+    chi-square p-value of 0.001 (fixed seeds: deterministic)."""
+    from engine_helpers import chi_square_p_value
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ddtree.spec_decode.speculator import DDTreeSpeculator
+
+    n, prompt = 500, "def main():"
+    regex = StructuredOutputsParams(regex=r"\n    (return|print|x =) [a-z_]+(\(\))?")
+
+    def sampled(llm) -> list[list[int]]:
+        params = [SamplingParams(temperature=1.0, max_tokens=6, seed=1000 + i,
+                                 structured_outputs=regex) for i in range(n)]
+        return [list(o.outputs[0].token_ids)
+                for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+
+    settings = dict(model=str(PAIR / "target"), enforce_eager=True, max_model_len=128,
+                    seed=0, dtype="float32", max_num_seqs=64)
+    alone = LLM(**settings)
+    greedy = alone.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24,
+                                                     structured_outputs=regex),
+                            use_tqdm=False)[0]
+    plain = sampled(alone)
+    del alone
+    truth = {tuple(greedy.prompt_token_ids): list(greedy.outputs[0].token_ids)}
+    monkeypatch.setattr(DDTreeSpeculator, "draft_logits_at", oracle_tree_logits(truth, 8))
+    llm = LLM(**settings, speculative_config={"method": "ddtree", "tree_budget": 16,
+                                              "tree_spine": False,
+                                              "model": str(PAIR / "drafter")})
+    speculated = sampled(llm)
+    stats = tree_stats(llm)
+    assert stats["longest_accepted"] >= 1 and stats["paths_off_the_index_line"] > 0, stats
+    for position in (1, 2):
+        assert len({t[position] for t in plain if len(t) > position}) >= 3
+        p = chi_square_p_value([t[position] for t in plain if len(t) > position],
+                               [t[position] for t in speculated if len(t) > position])
+        assert p > 1e-3, f"token {position + 1}: p = {p:.2g}"

@@ -153,6 +153,24 @@ def counters(llm) -> dict:
     return out
 
 
+CONSTRAINED = " + regex"  # the suffix of a mode run under --regex
+
+
+def chains(results: list[dict]) -> dict[tuple[str, int], float]:
+    """The chains' acceptance lengths by (chain mode, concurrency): 1 where none ran."""
+    out = {(r["mode"], r["concurrency"]): r["acceptance_length"] for r in results
+           if r["mode"] in ("dflash", "dflash" + CONSTRAINED)}
+    for r in results:
+        out.setdefault((chain_of(r["mode"]), r["concurrency"]), 1.0)
+    return out
+
+
+def chain_of(mode: str) -> str:
+    """The chain a mode's acceptance and speed are compared with: the one under the same
+    constraint."""
+    return "dflash" + (CONSTRAINED if mode.endswith(CONSTRAINED) else "")
+
+
 class ModeRun:
     """One mode's engine at one concurrency: a warm-up pass, then ``timed_pass`` (the
     tokens/s of one pass over the prompts) as many times as asked, then ``finish`` (the
@@ -170,8 +188,12 @@ class ModeRun:
                        seed=0,
                        max_model_len=args.max_model_len, max_num_seqs=concurrency,
                        enforce_eager=not args.cuda_graphs, disable_log_stats=False, **device)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        regex = getattr(args, "regex", None) if name.endswith(CONSTRAINED) else None
         self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                     ignore_eos=True)
+                                     ignore_eos=True, structured_outputs=StructuredOutputsParams(
+                                         regex=regex) if regex else None)
         self.requests = [{"prompt_token_ids": p} for p in prompts]
         self.llm.generate(self.requests[:2], self.params, use_tqdm=False)  # warm-up
         self.before = counters(self.llm)
@@ -289,14 +311,16 @@ def _trim(hist: list) -> list:
     return hist
 
 
-def markdown(results: list[dict], identical: bool, chain: dict[int, float]) -> str:
+def markdown(results: list[dict], identical: bool, chain: dict[tuple[str, int], float]
+             ) -> str:
     cols = ["verify forward", "draft (incl. tree build)", "tree build", "walk + compaction",
             "chain rejection"]
     lines = ["| mode | conc. | accept. length | x chain | fwd/token | tok/s | "
              + " | ".join(f"{c} ms" for c in cols) + " |",
              "|" + "---|" * (6 + len(cols))]
     for r in results:
-        ratio = r["acceptance_length"] / chain[r["concurrency"]] if r["verify_steps"] else None
+        ratio = r["acceptance_length"] / chain[(chain_of(r["mode"]), r["concurrency"])] \
+            if r["verify_steps"] else None
         b = r["breakdown_ms_per_forward"]
         lines.append(
             f"| {r['mode']} | {r['concurrency']} | {r['acceptance_length']:.2f} | "
@@ -351,13 +375,13 @@ def speed_vs_chain(results: list[dict]) -> list[str]:
     rate = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in results}
     concs = sorted({c for _, c in rate})
     trees = list(dict.fromkeys(m for m, _ in rate if m.startswith("ddtree")))
-    if not trees or any(("dflash", c) not in rate for c in concs):
+    if not trees or any((chain_of(m), c) not in rate for m in trees for c in concs):
         return []
     lines = ["", "Tokens/s over the dflash chain's:", "",
              "| mode | " + " | ".join(f"conc. {c}" for c in concs) + " | goal |",
              "|" + "---|" * (len(concs) + 2)]
     for mode in trees:
-        ratios = [rate.get((mode, c), 0) / rate[("dflash", c)] for c in concs]
+        ratios = [rate.get((mode, c), 0) / rate[(chain_of(mode), c)] for c in concs]
         met = ratios[0] >= 1.35 and ratios[-1] >= 1.0
         lines.append(f"| {mode} | " + " | ".join(f"{x:.2f}x" for x in ratios)
                      + f" | {'met' if met else 'not met'} |")
@@ -436,6 +460,9 @@ def main() -> int:
                         help="also adaptive trees (enable_adaptive_verification) under each "
                              "cap (tree_budget)")
     parser.add_argument("--modes", nargs="*", help="run only these modes (names as printed)")
+    parser.add_argument("--regex", help="also run every mode with this regex as every "
+                        "request's structured output (mode name + ' + regex'); chains are "
+                        "compared with the chain under the same constraint")
     parser.add_argument("--interleave", action="store_true",
                         help="hold every mode's engine at once and time their passes in "
                              "turn (a machine whose speed drifts slows all alike; small "
@@ -448,10 +475,7 @@ def main() -> int:
     if args.render:
         run = json.loads(args.render.read_text())
         results, identical = run["results"], run["identical_greedy_outputs"]
-        chain = {r["concurrency"]: r["acceptance_length"] for r in results
-                 if r["mode"] == "dflash"}
-        for c in {r["concurrency"] for r in results}:
-            chain.setdefault(c, 1.0)
+        chain = chains(results)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "acceptance.md").write_text(markdown(results, identical, chain))
         plots(results, run["args"]["budgets"], args.out)
@@ -473,15 +497,18 @@ def main() -> int:
     runs = [(name, spec) for name, spec in modes(
         args.drafter, args.budgets, block - 1, args.dynamic, max(args.concurrency),
         args.jetspec_drafter, args.adaptive) if not args.modes or name in args.modes]
+    if args.regex:  # each mode again, every request under the regex
+        runs += [(name + CONSTRAINED, spec) for name, spec in runs]
     for conc in args.concurrency:
         results += run_modes(args, runs, prompts, conc)
 
-    reference = {c: next((r["outputs"] for r in results if r["concurrency"] == c
-                          and r["mode"] == "none"), None) for c in args.concurrency}
-    identical = all(reference[r["concurrency"]] in (None, r["outputs"]) for r in results)
-    chain = {r["concurrency"]: r["acceptance_length"] for r in results if r["mode"] == "dflash"}
-    for c in args.concurrency:
-        chain.setdefault(c, 1.0)
+    reference = {(r["mode"], r["concurrency"]): r["outputs"] for r in results
+                 if r["mode"] in ("none", "none" + CONSTRAINED)}
+    # Each mode's greedy outputs against no speculation's under the same constraint.
+    identical = all(reference.get((chain_of(r["mode"]).replace("dflash", "none"),
+                                   r["concurrency"]), r["outputs"]) == r["outputs"]
+                    for r in results)
+    chain = chains(results)
     table = markdown(results, identical, chain)
     print(table)
     (args.out / "acceptance.md").write_text(table)

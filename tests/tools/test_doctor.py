@@ -54,7 +54,8 @@ def test_all_ok_on_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("vllm-ddtree doctor\n")
     checks = _by_name(selfcheck.run_checks())
     assert list(checks) == ["environment", "vLLM version", "patch series", "native ops",
-                            "TREE_ATTN", "method ddtree", "vLLM plugin", "device", "CPU attention"]
+                            "TREE_ATTN", "method ddtree", "structured output", "vLLM plugin",
+                            "device", "CPU attention"]
     assert {c.status for c in checks.values()} == {OK}, checks
     assert f"{PIN} (vllm) at {installed_vllm_root() / 'vllm'}" in checks["vLLM version"].detail
     n = len([line for line in (patches_dir() / "series").read_text().splitlines()
@@ -64,6 +65,7 @@ def test_all_ok_on_this_install(capsys: pytest.CaptureFixture[str]) -> None:
     assert "CPU kernels, no CUDA kernels" in checks["native ops"].detail
     assert "vllm_ddtree.attention.cpu_backend.TreeAttentionCPUBackend" in checks["TREE_ATTN"].detail
     assert "CUDA not available" in checks["device"].detail
+    assert "trees verified with xgrammar" in checks["structured output"].detail
     assert checks["environment"].detail.startswith(f"the vLLM {PIN} CPU stand-in")
     assert "CPU_ATTN's ISA bf16: " in checks["CPU attention"].detail
     assert f"vllm-ddtree doctor: all {len(checks)} checks passed" in out
@@ -76,7 +78,7 @@ def test_selfcheck_module_runs_the_same_checks() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("vllm-ddtree selfcheck\n")
-    assert "vllm-ddtree selfcheck: all 9 checks passed" in done.stdout
+    assert "vllm-ddtree selfcheck: all 10 checks passed" in done.stdout
 
 
 def test_the_copy_reads_as_applied(fake_root: Path) -> None:
@@ -103,7 +105,7 @@ def test_wrong_vllm_version(fake_root: Path, monkeypatch: pytest.MonkeyPatch,
     # The series' own state is still read; its fix, if any, starts with the version.
     assert checks["patch series"].status == OK
     assert f"fix: {version.fix}" in out
-    assert "vllm-ddtree doctor: 1 of 9 checks FAILED: vLLM version" in out
+    assert "vllm-ddtree doctor: 1 of 10 checks FAILED: vLLM version" in out
 
 
 def test_vllm_not_installed(monkeypatch: pytest.MonkeyPatch,
@@ -115,9 +117,9 @@ def test_vllm_not_installed(monkeypatch: pytest.MonkeyPatch,
     assert checks["vLLM version"].detail == f"vLLM is not installed in {sys.executable}"
     assert checks["vLLM version"].fix.startswith(f"install vllm=={PIN} (on a machine without "
                                                  "a GPU its CPU stand-in")
-    for name in ("patch series", "TREE_ATTN", "method ddtree"):
+    for name in ("patch series", "TREE_ATTN", "method ddtree", "structured output"):
         assert checks[name].status == SKIP
-    assert "1 of 9 checks FAILED: vLLM version" in capsys.readouterr().out
+    assert "1 of 10 checks FAILED: vLLM version" in capsys.readouterr().out
 
 
 def test_series_not_applied(fake_root: Path) -> None:
@@ -252,7 +254,7 @@ def test_ops_older_than_their_sources(monkeypatch: pytest.MonkeyPatch,
                                "csrc/cpu/tree_ops.cpp and 1 more changed after it was built")
     assert REBUILD in ops.fix
     assert cli(["doctor"]) == 0  # a warning is no failure
-    assert "all 9 checks passed (1 warning: native ops)" in capsys.readouterr().out
+    assert "all 10 checks passed (1 warning: native ops)" in capsys.readouterr().out
 
 
 def test_sources_newer_than_a_library(tmp_path: Path) -> None:

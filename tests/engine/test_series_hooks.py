@@ -19,7 +19,7 @@ PAIR = REPO / "models" / "tiny-pair"
 def test_the_series_is_small_and_says_why() -> None:
     patches = read_series(SERIES)
     assert (SERIES / "upstream-version").read_text().strip() == "0.34.0"
-    assert len(patches) <= 13  # 0013: adaptive trees take the runner's sizing seat
+    assert len(patches) <= 14  # 0014: structured output's masks along a tree
     added = 0
     for patch in patches:
         text = (SERIES / patch.name).read_text()
@@ -27,7 +27,7 @@ def test_the_series_is_small_and_says_why() -> None:
         for field in ("Why:", "Upstream-Status:", "Drop-When:"):
             assert field in header, (patch.name, field)
         added += len(re.findall(r"^\+(?!\+\+ )", text, flags=re.M))
-    assert added <= 150, added
+    assert added <= 180, added  # 0014's hooks in the scheduler (33 lines)
 
 
 def test_it_is_applied_here() -> None:

@@ -120,6 +120,6 @@ def test_fused_experts_cpu_computes_silu_and_mul_through_032s_op() -> None:
 def test_doctor_says_which_environment_this_is() -> None:
     done = subprocess.run([sys.executable, "-m", "vllm_ddtree.cli", "doctor"], text=True,
                           capture_output=True, timeout=300)
-    assert f"ok      environment    the vLLM {VLLM_VERSION} CPU stand-in" in done.stdout
-    assert "all 9 checks passed" in done.stdout and done.returncode == 0, done.stdout
+    assert f"ok      environment        the vLLM {VLLM_VERSION} CPU stand-in" in done.stdout
+    assert "all 10 checks passed" in done.stdout and done.returncode == 0, done.stdout
     assert "needs a GPU" not in done.stdout

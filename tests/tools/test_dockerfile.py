@@ -49,4 +49,4 @@ def test_build_time_selfcheck_passes() -> None:
     result = subprocess.run([sys.executable, "-m", "vllm_ddtree.selfcheck"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "vllm-ddtree selfcheck: all 9 checks passed" in result.stdout, result.stdout
+    assert "vllm-ddtree selfcheck: all 10 checks passed" in result.stdout, result.stdout

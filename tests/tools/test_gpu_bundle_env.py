@@ -192,7 +192,7 @@ def test_staged_vllm_configures_ddtree_at_qwen3_8b_shapes(staged: dict[str, str]
     assert done.stdout.split()[1].startswith(staged["SITE"])
     done = run(h200_like_python, "import sys; from vllm_ddtree.selfcheck import main; "
                "sys.exit(main())", staged)
-    assert "vllm-ddtree selfcheck: all 9 checks passed" in done.stdout, done.stdout
+    assert "vllm-ddtree selfcheck: all 10 checks passed" in done.stdout, done.stdout
     done = run(h200_like_python, CONFIGURE, staged, str(tmp_path))
     # 36 target layers, 5 drafter layers, budget 128, depth 15 (block 16); on the CPU platform
     # no backend is selected here (the speculator takes CPU_ATTN's place at engine start).

@@ -383,3 +383,30 @@ def ranks(grid, output_ptr, logits_ptr, logits_stride, token_ids_ptr, vocab_size
     n += torch.where(x == _NEG_INF, padding, 0)
     out = pointer(output_ptr)[:num_rows]
     out.copy_(n.to(out.dtype))
+
+
+# --------------------------------------------------------------- structured_outputs.py
+
+
+@torch_kernel("vllm.v1.worker.gpu.structured_outputs._apply_grammar_bitmask_kernel")
+def grammar_bitmask(grid, logits_ptr, logits_stride, logits_indices_ptr, cu_num_logits_ptr,
+                    bitmask_ptr, bitmask_stride, vocab_size, MASK_STRIDE, BLOCK_SIZE):
+    """Bitmask row i masks logits row ``cu_num_logits[req] + position`` (mapping i =
+    req * MASK_STRIDE + position; positions past the request's logits rows skip): a token
+    whose bit is 0 gets -inf."""
+    n = grid[0]
+    mapping = logits_indices_ptr[:n].long()
+    req, pos = mapping // MASK_STRIDE, mapping % MASK_STRIDE
+    cu = cu_num_logits_ptr.long()
+    first = cu[req]
+    active = pos < cu[req + 1] - first
+    if not bool(active.any()):
+        return None
+    packed = _rows(bitmask_ptr, n, bitmask_stride, bitmask_stride)[active]
+    bits = (packed[:, :, None] >> torch.arange(32, dtype=packed.dtype)) & 1
+    allowed = bits.reshape(packed.shape[0], -1)[:, :vocab_size] != 0
+    rows = (first + pos)[active]
+    num_rows = int(rows.max()) + 1
+    logits = _rows(logits_ptr, num_rows, logits_stride, vocab_size)
+    logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+    return None

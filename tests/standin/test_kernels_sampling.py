@@ -433,3 +433,34 @@ def test_token_logprobs_wide() -> None:
     token_ids = rand(gen, 0, 1500, 2, 1100, dtype=torch.int64)
     run_both(f"{logprob.__name__}._topk_log_softmax_kernel", logprob.compute_token_logprobs,
              logits, token_ids)
+
+
+# ------------------------------------------------------------------ structured outputs
+
+
+@pytest.mark.parametrize("vocab", [1000, 4096])
+def test_grammar_bitmask(vocab: int) -> None:
+    """Bitmask rows keyed (request, position) onto each request's logits rows; positions
+    past a request's rows skipped (adaptive verification trims them)."""
+    from vllm.v1.worker.gpu import structured_outputs as so
+
+    gen = torch.Generator().manual_seed(vocab)
+    stride, reqs = 5, 3
+    cu = torch.tensor([0, 5, 7, 12], dtype=torch.int32)  # request 1: 2 rows of 5
+    logits = torch.randn(12, vocab + 3, generator=gen)[:, :vocab]
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (reqs * stride, words), generator=gen,
+                            dtype=torch.int32)
+    mapping = torch.tensor([r * stride + p for r in range(reqs) for p in range(stride)],
+                           dtype=torch.int32)
+    block = so.GRAMMAR_BITMASK_BLOCK_SIZE
+
+    def call(logits, mapping, cu, bitmask):  # noqa: ANN001, ANN202
+        so._apply_grammar_bitmask_kernel[(mapping.numel(), triton.cdiv(vocab, block))](
+            logits, logits.stride(0), mapping, cu, bitmask, bitmask.stride(0), vocab,
+            MASK_STRIDE=stride, BLOCK_SIZE=block)
+
+    _, (got, _) = run_both(f"{so.__name__}._apply_grammar_bitmask_kernel", call, logits,
+                           mapping, cu, bitmask)
+    masked = torch.isinf(got[0])
+    assert masked.any() and not masked.all()

@@ -13,20 +13,25 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> None:
+def bench(tiny_models: Path, tmp_path: Path, *args: str) -> tuple[Path, dict]:
+    """scripts/bench_acceptance.py on the random tiny pair, two prompts of 6 tokens: OUT and
+    its acceptance.json."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):\n    return", "The name of the file is"]))
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_acceptance.py"),
          "--target", str(tiny_models / "target"), "--drafter", str(tiny_models / "drafter"),
-         "--prompts", str(prompts), "--max-tokens", "6", "--budgets", "4", "8",
-         "--repeats", "2", "--dynamic", "8:6", "--out", str(out)],
+         "--prompts", str(prompts), "--max-tokens", "6", *args, "--out", str(out)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads((out / "acceptance.json").read_text())
 
-    data = json.loads((out / "acceptance.json").read_text())
+
+@pytest.mark.slow
+def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> None:
+    out, data = bench(tiny_models, tmp_path, "--budgets", "4", "8", "--repeats", "2",
+                      "--dynamic", "8:6")
     assert data["identical_greedy_outputs"] is True
     results = {r["mode"]: r for r in data["results"]}
     assert list(results) == ["none", "dflash", "ddtree B=4 spine", "ddtree B=8 spine",
@@ -104,18 +109,8 @@ def test_a_regex_runs_every_mode_again_constrained(tiny_models: Path, tmp_path: 
     """--regex: each chosen mode again with every request under the regex (" + regex"),
     greedy outputs checked against no speculation under the same constraint, and
     acceptance compared with the chain under the same constraint."""
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["def f(x):\n    return", "The name of the file is"]))
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_acceptance.py"),
-         "--target", str(tiny_models / "target"), "--drafter", str(tiny_models / "drafter"),
-         "--prompts", str(prompts), "--max-tokens", "6", "--budgets", "4", "--repeats", "1",
-         "--modes", "none", "dflash", "ddtree B=4 spine", "--regex", "( [a-z]+)+",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((out / "acceptance.json").read_text())
+    out, data = bench(tiny_models, tmp_path, "--budgets", "4", "--repeats", "1", "--modes",
+                      "none", "dflash", "ddtree B=4 spine", "--regex", "( [a-z]+)+")
     assert data["identical_greedy_outputs"] is True
     results = {r["mode"]: r for r in data["results"]}
     assert list(results) == ["none", "dflash", "ddtree B=4 spine", "none + regex",

@@ -124,14 +124,12 @@ class GDNTreeVerify:
             S = md.num_spec_decodes
             qsl = md.spec_query_start_loc[:S + 1].long()
             mask = md.spec_sequence_masks
-            if mask is None:
-                batch_rows = torch.arange(S, device=dev)
-                is_spec = torch.ones(S, dtype=torch.bool, device=dev)
-            else:  # the i-th spec request is the batch row holding the i-th True
-                is_spec = mask.bool()
-                batch_rows = torch.searchsorted(is_spec.long().cumsum(0),
-                                                torch.arange(1, S + 1, device=dev))
-            rank = is_spec.long().cumsum(0) - 1
+            is_spec = torch.ones(S, dtype=torch.bool, device=dev) if mask is None \
+                else mask.bool()
+            count = is_spec.long().cumsum(0)  # spec requests up to each batch row
+            # The i-th spec request is the batch row holding the i-th True.
+            batch_rows = torch.searchsorted(count, torch.arange(1, S + 1, device=dev))
+            rank = count - 1
             self.row0.fill_(-1)
             n = is_spec.shape[0]
             self.row0[:n] = torch.where(is_spec, qsl[rank.clamp(0, S)], -1)

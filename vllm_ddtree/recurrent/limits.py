@@ -92,6 +92,11 @@ def memory_beside_kv_cache(vllm_config: Any, platform: Any) -> tuple[int, str]:
             f"gpu_memory_utilization ({util}, which sizes the KV cache on CPU)")
 
 
+def gdn_layer_count(text_config: Any) -> int:
+    """The Gated DeltaNet layers of a hybrid's text config (its linear_attention layers)."""
+    return list(getattr(text_config, "layer_types", None) or []).count("linear_attention")
+
+
 def stash_bytes(vllm_config: Any) -> tuple[int, int]:
     """The Gated DeltaNet stash of the largest verify step, and per request: every verify
     row (tree_budget + 1 per request, max_num_seqs requests, within max_num_batched_tokens)
@@ -100,7 +105,7 @@ def stash_bytes(vllm_config: Any) -> tuple[int, int]:
 
     model, spec = vllm_config.model_config, vllm_config.speculative_config
     text = model.hf_text_config
-    layers = list(getattr(text, "layer_types", None) or []).count("linear_attention")
+    layers = gdn_layer_count(text)
     row = layers * stash_bytes_per_row(text, model.dtype,
                                        vllm_config.parallel_config.tensor_parallel_size)
     step = spec.num_speculative_tokens + 1  # tree_budget + 1 (the drafts a step verifies)
@@ -145,8 +150,7 @@ def state_bytes_per_request(vllm_config: Any) -> tuple[int, int]:
                      dtypes=cls.get_mamba_state_dtype_from_config(vllm_config),
                      state_alignment=mamba_state_alignment(vllm_config),
                      block_size=-1).page_size_bytes
-    layers = list(getattr(model.hf_text_config, "layer_types", None) or []).count(
-        "linear_attention")
+    layers = gdn_layer_count(model.hf_text_config)
     align = vllm_config.cache_config.mamba_cache_mode == "align"
     pages = (2 if align else 1) + max_committed_drafts(vllm_config)
     return pages, layers * pages * page

@@ -25,13 +25,14 @@ def take_tree_drafts(request: Any, draft_token_ids: Any, index: int) -> list[int
     drafts as the scheduler schedules them (padding stripped: a tree is not trimmed at the
     first draft the grammar rejects, which is not the end of its other branches), or None
     for a chain."""
+    from vllm.v1.structured_output.utils import strip_speculative_padding
+
     parents = draft_token_ids.draft_parents
     tree = parents[index] if parents is not None else None
     request.spec_tree_parents = tree
     if tree is None:
         return None
-    drafts = draft_token_ids.draft_token_ids[index]
-    return drafts[:drafts.index(-1)] if -1 in drafts else list(drafts)
+    return strip_speculative_padding(draft_token_ids.draft_token_ids[index])
 
 
 def fill_tree_rows(manager: Any, grammar: Any, request: Any, req_id: str,

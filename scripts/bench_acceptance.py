@@ -153,13 +153,19 @@ def counters(llm) -> dict:
     return out
 
 
-CONSTRAINED = " + regex"  # the suffix of a mode run under --regex
+# The suffix of a mode run under a constraint: the option giving it.
+CONSTRAINTS = {" + regex": "regex", " + json": "json_schema"}
+
+
+def constraint_of(mode: str) -> str:
+    """A mode's constraint suffix, "" for none."""
+    return next((c for c in CONSTRAINTS if mode.endswith(c)), "")
 
 
 def chains(results: list[dict]) -> dict[tuple[str, int], float]:
     """The chains' acceptance lengths by (chain mode, concurrency): 1 where none ran."""
     out = {(r["mode"], r["concurrency"]): r["acceptance_length"] for r in results
-           if r["mode"] in ("dflash", "dflash" + CONSTRAINED)}
+           if r["mode"] == chain_of(r["mode"])}
     for r in results:
         out.setdefault((chain_of(r["mode"]), r["concurrency"]), 1.0)
     return out
@@ -168,7 +174,7 @@ def chains(results: list[dict]) -> dict[tuple[str, int], float]:
 def chain_of(mode: str) -> str:
     """The chain a mode's acceptance and speed are compared with: the one under the same
     constraint."""
-    return "dflash" + (CONSTRAINED if mode.endswith(CONSTRAINED) else "")
+    return "dflash" + constraint_of(mode)
 
 
 class ModeRun:
@@ -190,10 +196,14 @@ class ModeRun:
                        enforce_eager=not args.cuda_graphs, disable_log_stats=False, **device)
         from vllm.sampling_params import StructuredOutputsParams
 
-        regex = getattr(args, "regex", None) if name.endswith(CONSTRAINED) else None
+        option = CONSTRAINTS.get(constraint_of(name))
+        structured = None
+        if option == "regex":
+            structured = StructuredOutputsParams(regex=args.regex)
+        elif option == "json_schema":
+            structured = StructuredOutputsParams(json=json.loads(args.json_schema))
         self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                     ignore_eos=True, structured_outputs=StructuredOutputsParams(
-                                         regex=regex) if regex else None)
+                                     ignore_eos=True, structured_outputs=structured)
         self.requests = [{"prompt_token_ids": p} for p in prompts]
         self.llm.generate(self.requests[:2], self.params, use_tqdm=False)  # warm-up
         self.before = counters(self.llm)
@@ -238,7 +248,11 @@ class ModeRun:
             "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
             "per_depth_acceptance": [p / drafts for p in per_pos] if drafts else [],
             "accepted_length_histogram": _trim(hist) if drafts else [],
-            "verify_steps": drafts, "generated_tokens": tokens * len(self.rates),
+            "verify_steps": drafts,
+            # Drafts verified a request's step (structured output: those its grammar allows).
+            "drafts_per_verify_step": d.get("spec_decode_num_draft_tokens", 0) / drafts
+            if drafts else 0.0,
+            "generated_tokens": tokens * len(self.rates),
             "target_forwards_per_token": forwards / tokens,
             "tokens_per_s": statistics.median(self.rates), "tokens_per_s_runs": self.rates,
             "breakdown_ms_per_forward": {k: 1e3 * v / max(1, forwards)
@@ -315,9 +329,9 @@ def markdown(results: list[dict], identical: bool, chain: dict[tuple[str, int], 
              ) -> str:
     cols = ["verify forward", "draft (incl. tree build)", "tree build", "walk + compaction",
             "chain rejection"]
-    lines = ["| mode | conc. | accept. length | x chain | fwd/token | tok/s | "
+    lines = ["| mode | conc. | accept. length | x chain | drafts/step | fwd/token | tok/s | "
              + " | ".join(f"{c} ms" for c in cols) + " |",
-             "|" + "---|" * (6 + len(cols))]
+             "|" + "---|" * (7 + len(cols))]
     for r in results:
         ratio = r["acceptance_length"] / chain[(chain_of(r["mode"]), r["concurrency"])] \
             if r["verify_steps"] else None
@@ -325,6 +339,7 @@ def markdown(results: list[dict], identical: bool, chain: dict[tuple[str, int], 
         lines.append(
             f"| {r['mode']} | {r['concurrency']} | {r['acceptance_length']:.2f} | "
             + (f"{ratio:.2f}x" if ratio else "-")
+            + f" | {r.get('drafts_per_verify_step', 0.0):.1f}"
             + f" | {r['target_forwards_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
             + " | ".join(f"{b[c]:.2f}" if c in b else "-" for c in cols) + " |")
     lines += ["", "Per-depth acceptance (share of verify steps accepting >= d drafts):", "",
@@ -463,6 +478,9 @@ def main() -> int:
     parser.add_argument("--regex", help="also run every mode with this regex as every "
                         "request's structured output (mode name + ' + regex'); chains are "
                         "compared with the chain under the same constraint")
+    parser.add_argument("--json-schema", help="also run every mode with this JSON schema "
+                        "(JSON text) as every request's structured output (mode name + "
+                        "' + json')")
     parser.add_argument("--interleave", action="store_true",
                         help="hold every mode's engine at once and time their passes in "
                              "turn (a machine whose speed drifts slows all alike; small "
@@ -497,13 +515,15 @@ def main() -> int:
     runs = [(name, spec) for name, spec in modes(
         args.drafter, args.budgets, block - 1, args.dynamic, max(args.concurrency),
         args.jetspec_drafter, args.adaptive) if not args.modes or name in args.modes]
-    if args.regex:  # each mode again, every request under the regex
-        runs += [(name + CONSTRAINED, spec) for name, spec in runs]
+    plain = list(runs)
+    for suffix, option in CONSTRAINTS.items():  # each mode again under each constraint
+        if getattr(args, option, None):
+            runs += [(name + suffix, spec) for name, spec in plain]
     for conc in args.concurrency:
         results += run_modes(args, runs, prompts, conc)
 
     reference = {(r["mode"], r["concurrency"]): r["outputs"] for r in results
-                 if r["mode"] in ("none", "none" + CONSTRAINED)}
+                 if r["mode"] == chain_of(r["mode"]).replace("dflash", "none")}
     # Each mode's greedy outputs against no speculation's under the same constraint.
     identical = all(reference.get((chain_of(r["mode"]).replace("dflash", "none"),
                                    r["concurrency"]), r["outputs"]) == r["outputs"]

@@ -26,7 +26,8 @@ def tree_spec(pair: Path, budget: int, **options: object) -> dict:
 
 
 def generate(pair: Path, spec: dict | None, max_num_seqs: int = 8,
-             max_tokens: int = MAX_TOKENS, prompts: list[str] = PROMPTS, **engine):
+             max_tokens: int = MAX_TOKENS, prompts: list[str] = PROMPTS,
+             params: list | None = None, **engine):
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -38,7 +39,7 @@ def generate(pair: Path, spec: dict | None, max_num_seqs: int = 8,
                     enable_prefix_caching=False, speculative_config=spec,
                     **language_model_only(pair))
     llm = LLM(model=str(pair / "target"), **(settings | engine))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return {o.prompt: list(o.outputs[0].token_ids)
             for o in llm.generate(prompts, params, use_tqdm=False)}, llm
 
@@ -91,6 +92,47 @@ def test_greedy_is_lossless_with_deep_trees(hybrid_baselines, monkeypatch, arch:
     assert stats["longest_accepted"] >= 3, stats
     if spine and budget > 4:
         assert stats["paths_off_the_index_line"] > 0, stats
+
+
+@pytest.mark.slow
+def test_structured_output_verifies_trees_on_a_hybrid(tiny_hybrid: Path, monkeypatch) -> None:
+    """Qwen3-Next under a regex and a JSON schema beside plain requests: the scheduler
+    keeps the nodes the grammar allows and the worker renumbers the tree (the GDN layers
+    verify it along the renumbered parents); greedy output is the target alone's under the
+    same constraints, ending where it ends."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ddtree.spec_decode import grammar_tree
+
+    schema = {"type": "object", "properties": {"op": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer"}},
+              "required": ["op", "n"], "additionalProperties": False}
+    constraints = [StructuredOutputsParams(regex=r"\n    return [a-z0-9 +*-]+"),
+                   StructuredOutputsParams(json=schema), None]
+
+    def params(max_tokens: int) -> list:
+        return [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                               structured_outputs=constraints[i % 3])
+                for i in range(len(PROMPTS))]
+
+    alone, llm = generate(tiny_hybrid, None, params=params(MAX_TOKENS + 16))
+    tokenizer = llm.get_tokenizer()
+    del llm
+    with_oracle(monkeypatch, {tuple(tokenizer.encode(p)): alone[p] for p in PROMPTS}, 16)
+    kept, nodes_of = [], grammar_tree.scheduled_tree_nodes
+
+    def recorded(requests, scheduled):  # noqa: ANN001, ANN202
+        nodes = nodes_of(requests, scheduled)
+        kept.extend((nodes or {}).values())
+        return nodes
+
+    monkeypatch.setattr(grammar_tree, "scheduled_tree_nodes", recorded)
+    got, llm = generate(tiny_hybrid, tree_spec(tiny_hybrid, 16), params=params(MAX_TOKENS))
+    assert got == {p: t[:MAX_TOKENS] for p, t in alone.items()}
+    assert any(n != list(range(1, len(n) + 1)) for n in kept)  # renumbered trees
+    assert verifier(llm).gdn.commits > 0
+    assert tree_stats(llm)["longest_accepted"] >= 3
 
 
 def assert_mostly_wrong(pair: Path, baseline: dict[str, list]) -> None:

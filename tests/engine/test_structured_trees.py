@@ -1,12 +1,15 @@
 """Structured output on trees (vllm_ddtree/spec_decode/grammar_tree.py, patch 0014): requests
-with a JSON schema, a regex, a choice or a grammar draft whole trees under ddtree, the
-scheduler fills each node's mask row along the tree (xgrammar, vLLM's default backend), the
-worker masks every node's logits with it, and greedy output equals the target alone with the
+with a JSON schema, a regex, a choice, a grammar or a structural tag draft whole trees under
+ddtree, the scheduler keeps the nodes the grammar allows (synchronous scheduling) and fills
+each node's mask row along the tree (xgrammar, vLLM's default backend), the worker masks
+every node's logits with it, and greedy output equals the target alone with the
 same constraint, token for token, ending where it ends; mixed in one batch with unconstrained
 requests and with each other, at budgets 4, 16 and 64, concurrency 1 and 8, with trees
 accepted deep and off the spine (an oracle drafter shown the constrained continuation)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from engine_helpers import oracle_tree_logits
@@ -28,6 +31,12 @@ REQUESTS = [
     ("The quick brown fox", None),
     ("def main():", {"json": {"type": "array", "items": {"type": "integer"},
                               "maxItems": 4}}),
+    ("# call the tool", {"structural_tag": json.dumps({  # xgrammar's tag format
+        "type": "structural_tag", "format": {
+            "type": "tag", "begin": "<call>", "end": "</call>", "content": {
+                "type": "json_schema", "json_schema": {
+                    "type": "object", "properties": {"n": {"type": "integer"}},
+                    "required": ["n"], "additionalProperties": False}}}})}),
 ]
 MAX_TOKENS = 32
 
@@ -73,7 +82,8 @@ def test_constrained_trees_are_the_target_alone(constrained_alone, monkeypatch, 
                                                 async_scheduling: bool) -> None:
     """With async scheduling (a GPU's default; the CPU platform turns it off) the drafts and
     their tree reach the scheduler after it scheduled placeholders, before the step's masks
-    (update_draft_token_ids_in_output)."""
+    (update_draft_token_ids_in_output); synchronous scheduling verifies only the nodes the
+    grammar allows (grammar_tree.take_tree_drafts, DDTreeSpeculator.keep_drafts)."""
     from vllm.platforms.cpu import CpuPlatform
 
     from vllm_ddtree.spec_decode import grammar_tree
@@ -97,6 +107,14 @@ def test_constrained_trees_are_the_target_alone(constrained_alone, monkeypatch, 
         return walk(grammar, req_id, tokens, parents, fill)
 
     monkeypatch.setattr(grammar_tree, "walk_tree", recorded)
+    kept, nodes_of = [], grammar_tree.scheduled_tree_nodes
+
+    def recorded_nodes(requests, scheduled):  # noqa: ANN001, ANN202
+        nodes = nodes_of(requests, scheduled)
+        kept.extend((nodes or {}).values())
+        return nodes
+
+    monkeypatch.setattr(grammar_tree, "scheduled_tree_nodes", recorded_nodes)
     spec = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": budget,
             "tree_spine": spine}
     llm, got = run(spec, max_num_seqs)
@@ -111,6 +129,12 @@ def test_constrained_trees_are_the_target_alone(constrained_alone, monkeypatch, 
     # them (the scheduler's walk; with vLLM's chain walk over a tree's nodes, the B=16 and
     # B=64 cases fail).
     assert walked and (budget == 4 or any(walked)), walked
+    # Synchronous scheduling verified only the nodes the grammar allows: some trees lost
+    # nodes inside (the worker renumbered them: DDTreeSpeculator.keep_drafts); async
+    # scheduling launches the step before its drafts reach the scheduler: none.
+    assert any(len(n) < budget for n in kept) != async_scheduling, kept[:5]
+    if budget > 4 and not async_scheduling:  # nodes dropped inside a tree, not only its end
+        assert any(n != list(range(1, len(n) + 1)) for n in kept), kept[:5]
     stats = tree_stats(llm)
     assert stats["longest_accepted"] >= 3, stats
     if budget > 4:

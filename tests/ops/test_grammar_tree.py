@@ -113,3 +113,128 @@ def test_each_node_gets_the_chain_walks_row_along_its_path(tokenizer) -> None:
     assert torch.equal(got[-1], full)  # " sir" after "yes": rejected, unmasked
     assert not torch.equal(got[1], full)  # inside the grammar: masked
     assert grammar.num_processed_tokens == 0  # left as it was
+
+
+class _Request:
+    """The scheduler's view of a structured request, as take_tree_drafts reads it."""
+
+    def __init__(self, grammar) -> None:
+        from types import SimpleNamespace
+
+        self.request_id, self.use_structured_output = "r", True
+        self.structured_output_request = SimpleNamespace(grammar=grammar)
+
+
+class _Manager:
+    @staticmethod
+    def _get_constraint_bounds(request, tokens) -> tuple[int, int]:  # noqa: ANN001
+        return 0, 0  # no reasoning: the grammar constrains from the first draft
+
+
+def test_the_scheduler_keeps_the_nodes_the_grammar_allows(tokenizer) -> None:
+    """Synchronous scheduling: of a tree's drafts, the scheduler keeps every node whose
+    path the grammar accepts and no other, in build order (a valid tree, renumbered
+    parents), skips padding nodes (parent -1), leaves the grammar as it was, and tells the
+    worker which nodes the scheduled ones are (cut where fewer are scheduled)."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.spec_decode.grammar_tree import scheduled_tree_nodes, take_tree_drafts
+
+    grammar = grammar_of(tokenizer, r"(yes|no|maybe) sir")
+    branches = [ids(tokenizer, "nothing"), ids(tokenizer, "maybe sir"),
+                ids(tokenizer, "yes") + ids(tokenizer, " madam"), ids(tokenizer, "no sir")]
+    tokens, parents = [], []
+    for branch in branches:
+        parent = 0
+        for token in branch:
+            tokens.append(token)
+            parents.append(parent)
+            parent = len(tokens)
+    tokens.append(0)  # an adaptive tree's padding: not a node
+    parents.append(-1)
+
+    def path(k: int) -> list[int]:
+        return path(parents[k - 1]) + [tokens[k - 1]] if k else []
+
+    def allowed(seq: list[int]) -> bool:
+        ok = len(grammar.validate_tokens(seq)) == len(seq)
+        return ok
+
+    want = [k for k in range(1, len(tokens)) if allowed(path(k))]
+    assert 0 < len(want) < len(tokens) - 1  # some kept, some not
+    request = _Request(grammar)
+    drafts = SimpleNamespace(draft_parents=[parents], draft_token_ids=[list(tokens)])
+    kept = take_tree_drafts(request, drafts, 0, _Manager())
+    assert request.spec_tree.nodes == want
+    assert kept == [tokens[k - 1] for k in want]
+    new = request.spec_tree.parents
+    for i, k in enumerate(want, start=1):  # the same tree, renumbered
+        p = parents[k - 1]
+        assert new[i - 1] == (want.index(p) + 1 if p else 0)
+        assert new[i - 1] < i
+    assert grammar.num_processed_tokens == 0
+    # Without the manager (async scheduling: the step already runs), every node is kept.
+    assert take_tree_drafts(request, drafts, 0) == tokens and request.spec_tree.nodes is None
+    take_tree_drafts(request, drafts, 0, _Manager())
+    assert scheduled_tree_nodes({"r": request}, {"r": kept[:2]}) == {"r": want[:2]}
+    assert scheduled_tree_nodes({"r": request}, {"other": [1]}) is None
+
+
+def test_the_worker_verifies_the_kept_nodes_as_the_same_tree(tokenizer) -> None:
+    """DDTreeSpeculator.keep_drafts' renumbering (TreeStore.renumber): the kept nodes come
+    first with their tokens, depths, parents and ancestry; verifying that prefix accepts
+    what verifying the whole tree accepts when the other nodes cannot match (the grammar
+    masks them out), for any target choices."""
+    from vllm_ddtree import ops
+    from vllm_ddtree.spec_decode.tree_store import TreeStore
+
+    gen = torch.Generator().manual_seed(0)
+    R, L, V, B = 3, 5, 30, 20
+    logits = torch.randn(R, L, V, generator=gen) * 3
+    built = ops.build_tree_from_logits(torch.randint(0, V, (R,), generator=gen), logits, B)
+    store = TreeStore(R, B, L, torch.device("cpu"))
+    slots = torch.arange(R)
+    drafts = torch.zeros(R, B, dtype=torch.int64)
+    drafts[slots] = store.write(slots, built, logits.argmax(-1))
+    orders, kept = [], []
+    for r in range(R):  # a parent-closed set: nodes whose path avoids a few dropped nodes
+        dropped = set(torch.randperm(B, generator=gen)[:3].add(1).tolist())
+        keep = []
+        for k in range(1, B + 1):
+            p = int(built.parents[r, k])
+            if k not in dropped and (p == 0 or p in keep):
+                keep.append(k)
+        kept.append(keep)
+        orders.append([0, *keep, *sorted(set(range(1, B + 1)) - set(keep))])
+    before = [store.parents.clone(), drafts.clone()]
+
+    def ancestry(mask: torch.Tensor, r: int, node: int) -> set[int]:
+        return {j for j in range(B + 1) if int(mask[r, node, j // 32]) >> (j % 32) & 1}
+
+    store.renumber(slots, torch.tensor(orders), drafts)
+    for r in range(R):
+        new_of = {old: new for new, old in enumerate(orders[r])}
+        for new, old in enumerate(orders[r][1:], start=1):
+            assert drafts[r, new - 1] == before[1][r, old - 1]
+            assert store.depths[r, new] == built.depths[r, old]
+            assert store.parents[r, new] == new_of[int(before[0][r, old])]
+            assert ancestry(store.ancestor_mask, r, new) == {
+                new_of[a] for a in ancestry(built.ancestor_mask, r, old)}
+    for _ in range(20):
+        choice = torch.randint(0, V, (R, B + 1), generator=gen)
+        whole = ops.DraftTrees(built.token_ids.clone(), *built[1:])
+        renumbered = ops.DraftTrees(torch.cat([built.token_ids[:, :1], drafts], 1),
+                                    *(t[:R] for t in (store.parents, store.depths,
+                                                      store.first_child, store.next_sibling,
+                                                      store.ancestor_mask)), built.scores)
+        new_choice = torch.empty_like(choice)
+        for r in range(R):
+            for k in torch.randperm(B, generator=gen).add(1).tolist()[:B // 2]:
+                choice[r, int(built.parents[r, k])] = built.token_ids[r, k]  # accepts k
+            for new, old in enumerate(orders[r]):
+                new_choice[r, new] = choice[r, old]
+            for k in set(range(1, B + 1)) - set(kept[r]):  # masked out: never matched
+                whole.token_ids[r, k] = -1
+            renumbered.token_ids[r, 1 + len(kept[r]):] = -1  # past the scheduled prefix
+        a, b = ops.verify_tree(whole, choice, L), ops.verify_tree(renumbered, new_choice, L)
+        assert torch.equal(a.output_tokens, b.output_tokens)

@@ -105,18 +105,28 @@ def test_interleaved_modes_report_what_one_at_a_time_does(tiny_models: Path,
 
 
 @pytest.mark.slow
-def test_a_regex_runs_every_mode_again_constrained(tiny_models: Path, tmp_path: Path) -> None:
-    """--regex: each chosen mode again with every request under the regex (" + regex"),
-    greedy outputs checked against no speculation under the same constraint, and
-    acceptance compared with the chain under the same constraint."""
+def test_constraints_run_every_mode_again(tiny_models: Path, tmp_path: Path) -> None:
+    """--regex and --json-schema: each chosen mode again with every request under each
+    (" + regex", " + json"), greedy outputs checked against no speculation under the same
+    constraint, acceptance compared with the chain under the same constraint, and the drafts
+    a verify step verified reported (the grammar's allowed nodes: below the budget)."""
+    schema = '{"type": "object", "properties": {"code": {"type": "string"}}}'
     out, data = bench(tiny_models, tmp_path, "--budgets", "4", "--repeats", "1", "--modes",
-                      "none", "dflash", "ddtree B=4 spine", "--regex", "( [a-z]+)+")
+                      "none", "dflash", "ddtree B=4 spine", "--regex", "( [a-z]+)+",
+                      "--json-schema", schema)
     assert data["identical_greedy_outputs"] is True
     results = {r["mode"]: r for r in data["results"]}
-    assert list(results) == ["none", "dflash", "ddtree B=4 spine", "none + regex",
-                             "dflash + regex", "ddtree B=4 spine + regex"]
+    modes = ["none", "dflash", "ddtree B=4 spine"]
+    assert list(results) == modes + [m + " + regex" for m in modes] + [
+        m + " + json" for m in modes]
+    plain = results["ddtree B=4 spine"]["drafts_per_verify_step"]
+    assert 3.5 < plain <= 4
     table = (out / "acceptance.md").read_text()
-    tree, chain = results["ddtree B=4 spine + regex"], results["dflash + regex"]
-    ratio = tree["acceptance_length"] / chain["acceptance_length"]
-    assert f"| ddtree B=4 spine + regex | 1 | {tree['acceptance_length']:.2f} | {ratio:.2f}x |" \
-        in table
+    for suffix in (" + regex", " + json"):
+        # The random drafter's nodes are mostly ones the grammar forbids: not verified.
+        tree, chain = results["ddtree B=4 spine" + suffix], results["dflash" + suffix]
+        assert tree["drafts_per_verify_step"] < plain
+        ratio = f"{tree['acceptance_length'] / chain['acceptance_length']:.2f}x" \
+            if tree["verify_steps"] else "-"
+        assert f"| ddtree B=4 spine{suffix} | 1 | {tree['acceptance_length']:.2f} | " \
+            f"{ratio} | {tree['drafts_per_verify_step']:.1f} |" in table

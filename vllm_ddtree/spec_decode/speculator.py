@@ -56,7 +56,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
     def __init__(self, vllm_config: Any, device: torch.device, req_states: Any = None) -> None:
-        self.req_states = req_states  # the runner's; read by tests' oracle drafters only
+        self.req_states = req_states  # the runner's (keep_drafts; tests' oracle drafters)
         self.sizing: Any = None  # adaptive trees (make_adaptive_verification)
         self.paused_context: PausedContext | None = None  # adaptive trees, paused
         options = tree_options(vllm_config.speculative_config)
@@ -138,6 +138,27 @@ class DDTreeSpeculator(DFlashSpeculator):
         chain = self.trees.chain_only[rows].tolist()
         return [None if c else p[1:1 + len(ids)]
                 for p, c, ids in zip(parents, chain, draft.draft_token_ids)]
+
+    def keep_drafts(self, tree_nodes: dict[str, list[int]] | None) -> None:
+        """Before a step's inputs: the tree nodes the scheduler kept of each structured
+        request's drafts (its grammar allows them: grammar_tree.py; patch 0014), by their
+        draft-time numbers, go first, in that order, so that the step verifies them (the
+        scheduled prefix) and nothing the grammar forbids. Host data to the device, no sync.
+        """
+        if not tree_nodes:
+            return
+        slots, orders, nodes = [], [], range(1, self.budget + 1)
+        for req_id, kept in tree_nodes.items():
+            slot = self.req_states.req_id_to_index.get(req_id)
+            if slot is not None:
+                rest = sorted(set(nodes).difference(kept))
+                slots.append(slot)
+                orders.append([0, *kept, *rest])
+        if slots:
+            device = self.trees.parents.device
+            self.trees.renumber(torch.tensor(slots, device=device),
+                                torch.tensor(orders, device=device),
+                                self.req_states.draft_tokens)
 
     def draft_logits_at(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The drafter's logits, ``[num_reqs * tree_depth, vocab]``, request-major."""

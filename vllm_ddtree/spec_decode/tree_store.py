@@ -15,6 +15,7 @@ import torch
 
 from vllm_ddtree import ops
 from vllm_ddtree.attention.tree_batch import TreeBatch
+from vllm_ddtree.spec_decode.adaptive.reorder import renumbered
 from vllm_ddtree.tree import mask_words
 
 
@@ -63,6 +64,25 @@ class TreeStore:
         if self.scores is not None:
             self.scores[slots] = self._scores(trees, rows)
         return drafts
+
+    def renumber(self, slots: torch.Tensor, old: torch.Tensor,
+                 drafts: torch.Tensor) -> None:
+        """Renumbers the stored trees of ``slots`` and their drafts (``drafts``, V2's
+        ``[max_num_reqs, budget]`` by slot): new node i is old node ``old[:, i]``."""
+        root = drafts.new_zeros(slots.shape[0], 1)
+        scores = None if self.scores is None else torch.nn.functional.pad(
+            self.scores[slots], (1, 0))
+        trees = renumbered(ops.DraftTrees(
+            torch.cat([root, drafts[slots]], dim=1), self.parents[slots], self.depths[slots],
+            self.first_child[slots], self.next_sibling[slots], self.ancestor_mask[slots],
+            scores), old)
+        drafts[slots] = trees.token_ids[:, 1:]
+        self.parents[slots], self.depths[slots] = trees.parents, trees.depths
+        self.first_child[slots], self.next_sibling[slots] = trees.first_child, \
+            trees.next_sibling
+        self.ancestor_mask[slots] = trees.ancestor_mask
+        if self.scores is not None:
+            self.scores[slots] = trees.scores[:, 1:]
 
     def saved(self) -> list[torch.Tensor]:
         """A copy of what drafting writes (``restore`` puts it back): dummy runs mid-serving

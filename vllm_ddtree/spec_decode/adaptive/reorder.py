@@ -1,8 +1,9 @@
-"""Trees renumbered in decreasing path probability, so that every prefix of a tree's nodes
-is its most probable nodes, and a valid tree (a child is never more probable than its
-parent; ties keep build order, parents first). Adaptive trees verify prefixes; the build
-orders (the spine first, JetSpec's expansion order) are not that order. On the device,
-fixed shapes, no sync."""
+"""Trees renumbered, so that a prefix of a tree's nodes is the nodes to verify and a valid
+tree. ``by_score``: in decreasing path probability (a child is never more probable than its
+parent; ties keep build order, parents first): adaptive trees verify prefixes, and the build
+orders (the spine first, JetSpec's expansion order) are not that order. ``renumbered``: any
+order, e.g. the nodes a grammar allows first (structured output: TreeStore.renumber). On
+the device, fixed shapes, no sync."""
 
 from __future__ import annotations
 
@@ -13,13 +14,22 @@ from vllm_ddtree.tree import DraftTrees, mask_words
 
 def by_score(trees: DraftTrees) -> DraftTrees:
     R, N = trees.scores.shape
-    node = torch.arange(N, device=trees.scores.device)
-    old = torch.cat([node.new_zeros(R, 1), torch.argsort(
-        -trees.scores[:, 1:], dim=1, stable=True) + 1], dim=1)  # old index of each new
+    old = torch.cat([trees.scores.new_zeros(R, 1, dtype=torch.long), torch.argsort(
+        -trees.scores[:, 1:], dim=1, stable=True) + 1], dim=1)
+    return renumbered(trees, old)
+
+
+def renumbered(trees: DraftTrees, old: torch.Tensor) -> DraftTrees:
+    """The trees with their nodes in a new order: new node i is old node ``old[:, i]``
+    (``[R, N]``; the root stays first, a parent before its children). ``scores`` may be
+    None."""
+    R, N = trees.parents.shape
+    old = old.long()
+    node = torch.arange(N, device=old.device)
     new = torch.empty_like(old).scatter_(1, old, node.expand(R, N))
 
-    def moved(t: torch.Tensor) -> torch.Tensor:
-        return t.gather(1, old.to(t.device)) if t.dim() == 2 else t
+    def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.gather(1, old.to(t.device)) if t is not None and t.dim() == 2 else t
 
     old_parents = moved(trees.parents).long()
     parents = torch.where(old_parents >= 0, new.gather(1, old_parents.clamp(min=0)), -1)

@@ -133,16 +133,20 @@ class _Manager:
 
 def test_the_scheduler_keeps_the_nodes_the_grammar_allows(tokenizer) -> None:
     """Synchronous scheduling: of a tree's drafts, the scheduler keeps every node whose
-    path the grammar accepts and no other, in build order (a valid tree, renumbered
-    parents), skips padding nodes (parent -1), leaves the grammar as it was, and tells the
-    worker which nodes the scheduled ones are (cut where fewer are scheduled)."""
+    path the grammar accepts or has ended on (past the stop token nothing constrains the
+    target) and no other, in build order (a valid tree, renumbered parents), skips padding
+    nodes (parent -1), leaves the grammar as it was, and tells the worker which nodes the
+    scheduled ones are (cut where fewer are scheduled); a prefix of the tree is sent as
+    the tree as it is."""
     from types import SimpleNamespace
 
     from vllm_ddtree.spec_decode.grammar_tree import scheduled_tree_nodes, take_tree_drafts
 
     grammar = grammar_of(tokenizer, r"(yes|no|maybe) sir")
+    end = tokenizer.eos_token_id
     branches = [ids(tokenizer, "nothing"), ids(tokenizer, "maybe sir"),
-                ids(tokenizer, "yes") + ids(tokenizer, " madam"), ids(tokenizer, "no sir")]
+                ids(tokenizer, "yes") + ids(tokenizer, " madam"),
+                ids(tokenizer, "no sir") + [end] + ids(tokenizer, " ok")]
     tokens, parents = [], []
     for branch in branches:
         parent = 0
@@ -157,10 +161,12 @@ def test_the_scheduler_keeps_the_nodes_the_grammar_allows(tokenizer) -> None:
         return path(parents[k - 1]) + [tokens[k - 1]] if k else []
 
     def allowed(seq: list[int]) -> bool:
-        ok = len(grammar.validate_tokens(seq)) == len(seq)
-        return ok
+        if end in seq:  # past the end: nothing constrains
+            seq = seq[:seq.index(end) + 1]
+        return len(grammar.validate_tokens(seq)) == len(seq)
 
     want = [k for k in range(1, len(tokens)) if allowed(path(k))]
+    assert [tokens[k - 1] for k in want][-len(ids(tokenizer, " ok")):] == ids(tokenizer, " ok")
     assert 0 < len(want) < len(tokens) - 1  # some kept, some not
     request = _Request(grammar)
     drafts = SimpleNamespace(draft_parents=[parents], draft_token_ids=[list(tokens)])
@@ -178,6 +184,11 @@ def test_the_scheduler_keeps_the_nodes_the_grammar_allows(tokenizer) -> None:
     take_tree_drafts(request, drafts, 0, _Manager())
     assert scheduled_tree_nodes({"r": request}, {"r": kept[:2]}) == {"r": want[:2]}
     assert scheduled_tree_nodes({"r": request}, {"other": [1]}) is None
+    # Nodes kept as a prefix need no renumbering: the tree is sent as it is.
+    prefix = SimpleNamespace(draft_parents=[[0, 1, 2]],
+                             draft_token_ids=[ids(tokenizer, "maybe sir")[:3]])
+    assert take_tree_drafts(request, prefix, 0, _Manager()) == prefix.draft_token_ids[0]
+    assert request.spec_tree.nodes is None
 
 
 def test_the_worker_verifies_the_kept_nodes_as_the_same_tree(tokenizer) -> None:

@@ -42,7 +42,8 @@ def take_tree_drafts(request: Any, draft_token_ids: Any, index: int,
     """Keeps the tree shape of a request's new drafts on it (``spec_tree``); its drafts as
     the scheduler schedules them (padding stripped: a tree is not trimmed at the first draft
     the grammar rejects, which is not the end of its other branches; with ``manager``, the
-    structured output manager, only the nodes its grammar allows), or None for a chain."""
+    structured output manager, only the nodes its grammar allows or no longer constrains:
+    ``spec_tree.nodes``, unless they are a prefix of the tree), or None for a chain."""
     from vllm.v1.structured_output.utils import strip_speculative_padding
 
     parents = draft_token_ids.draft_parents
@@ -56,8 +57,10 @@ def take_tree_drafts(request: Any, draft_token_ids: Any, index: int,
         return tokens
     kept: list[int] = []
     walk_tree(grammar, request.request_id, tokens, tree,
-              lambda node, allowed: allowed and node and kept.append(node))
+              lambda node, masked: masked and node and kept.append(node), kept.append)
     kept.sort()  # build order: parents first
+    if kept == list(range(1, len(kept) + 1)):  # a prefix: the worker's tree as it is
+        return tokens[:len(kept)]
     number = {node: i + 1 for i, node in enumerate(kept)}
     request.spec_tree = SpecTree([number.get(tree[k - 1], 0) for k in kept], kept)
     return [tokens[k - 1] for k in kept]
@@ -110,11 +113,15 @@ def _tree_grammar(manager: Any, request: Any) -> Any:
 
 
 def walk_tree(grammar: Any, req_id: str, tokens: list[int], parents: list[int],
-              fill: Callable[[int, bool], None]) -> None:
+              fill: Callable[[int, bool], None],
+              past_end: Callable[[int], None] | None = None) -> None:
     """``fill(row, masked)`` for rows 0..len(tokens) of a tree whose node k (1-based) has
     token ``tokens[k - 1]`` and parent ``parents[k - 1]`` (0: the root; parents come first;
     -1: not a node, as adaptive trees pad theirs): masked from the grammar's state after
-    node k's path, or unmasked. The grammar is left as it was (accepts rolled back)."""
+    node k's path, or unmasked. ``past_end(k)`` for the unmasked nodes whose path passes a
+    node after which the grammar terminated (nothing constrains them: they may be accepted,
+    unlike a node the grammar rejects). The grammar is left as it was (accepts rolled
+    back)."""
     n = len(tokens)
     children: list[list[int]] = [[] for _ in range(n + 1)]
     for k in range(1, n + 1):
@@ -123,21 +130,24 @@ def walk_tree(grammar: Any, req_id: str, tokens: list[int], parents: list[int],
         else:
             fill(k, False)
 
-    def unmasked(node: int) -> None:
+    def unmasked(node: int, free: bool) -> None:
         fill(node, False)
+        if free and past_end is not None:
+            past_end(node)
         for child in children[node]:
-            unmasked(child)
+            unmasked(child, free)
 
     def visit(node: int) -> None:
         for child in children[node]:
             token = tokens[child - 1]
-            if token >= 0 and not grammar.is_terminated() and grammar.accept_tokens(
-                    req_id, [token]):
+            if grammar.is_terminated():
+                unmasked(child, True)
+            elif token >= 0 and grammar.accept_tokens(req_id, [token]):
                 fill(child, True)
                 visit(child)
                 grammar.rollback(1)
             else:
-                unmasked(child)
+                unmasked(child, False)
 
     fill(0, True)
     visit(0)

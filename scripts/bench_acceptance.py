@@ -157,6 +157,9 @@ def counters(llm) -> dict:
 CONSTRAINTS = {" + regex": "regex", " + json": "json_schema"}
 
 
+EVERY_NODE = ", every node"  # a tree mode whose scheduler keeps nodes the grammar forbids
+
+
 def constraint_of(mode: str) -> str:
     """A mode's constraint suffix, "" for none."""
     return next((c for c in CONSTRAINTS if mode.endswith(c)), "")
@@ -205,14 +208,28 @@ class ModeRun:
         self.params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                      ignore_eos=True, structured_outputs=structured)
         self.requests = [{"prompt_token_ids": p} for p in prompts]
-        self.llm.generate(self.requests[:2], self.params, use_tqdm=False)  # warm-up
+        self.generate(self.requests[:2])  # warm-up
         self.before = counters(self.llm)
         self.rates: list[float] = []
         self.outputs: list | None = None
 
+    def generate(self, requests: list) -> list:
+        """The engine's generate; a mode with EVERY_NODE keeps every tree node the grammar
+        forbids for it (as async scheduling does: the engines share this process's
+        scheduler code, switched per pass)."""
+        from vllm_ddtree.spec_decode import grammar_tree
+
+        tree_grammar = grammar_tree._tree_grammar  # None: no grammar to keep nodes by
+        if EVERY_NODE in self.name:
+            grammar_tree._tree_grammar = lambda manager, request: None
+        try:
+            return self.llm.generate(requests, self.params, use_tqdm=False)
+        finally:
+            grammar_tree._tree_grammar = tree_grammar
+
     def timed_pass(self) -> None:
         t0 = time.perf_counter()
-        res = self.llm.generate(self.requests, self.params, use_tqdm=False)
+        res = self.generate(self.requests)
         dt = time.perf_counter() - t0
         self.rates.append(sum(len(r.outputs[0].token_ids) for r in res) / dt)
         self.outputs = [list(r.outputs[0].token_ids) for r in res]
@@ -229,7 +246,7 @@ class ModeRun:
         install_timers(llm, timers)
         timers.enabled = True
         t0 = time.perf_counter()
-        llm.generate(self.requests, self.params, use_tqdm=False)
+        self.generate(self.requests)
         wall = time.perf_counter() - t0
         timers.remove()
         after = counters(llm)
@@ -481,6 +498,10 @@ def main() -> int:
     parser.add_argument("--json-schema", help="also run every mode with this JSON schema "
                         "(JSON text) as every request's structured output (mode name + "
                         "' + json')")
+    parser.add_argument("--every-node", action="store_true",
+                        help="also each tree mode under each constraint with the nodes the "
+                             "grammar forbids verified too (mode + ', every node'), as under "
+                             "async scheduling: what keeping only allowed nodes saves")
     parser.add_argument("--interleave", action="store_true",
                         help="hold every mode's engine at once and time their passes in "
                              "turn (a machine whose speed drifts slows all alike; small "
@@ -519,6 +540,9 @@ def main() -> int:
     for suffix, option in CONSTRAINTS.items():  # each mode again under each constraint
         if getattr(args, option, None):
             runs += [(name + suffix, spec) for name, spec in plain]
+            if args.every_node:
+                runs += [(name + EVERY_NODE + suffix, spec) for name, spec in plain
+                         if spec is not None and spec["method"] != "dflash"]
     for conc in args.concurrency:
         results += run_modes(args, runs, prompts, conc)
 

@@ -113,6 +113,8 @@ def test_each_node_gets_the_chain_walks_row_along_its_path(tokenizer) -> None:
     assert torch.equal(got[-1], full)  # " sir" after "yes": rejected, unmasked
     assert not torch.equal(got[1], full)  # inside the grammar: masked
     assert grammar.num_processed_tokens == 0  # left as it was
+    # No row allows nothing (all -inf logits: NaN probabilities, no token to sample).
+    assert all(bool((row != 0).any()) for row in got)
 
 
 class _Request:

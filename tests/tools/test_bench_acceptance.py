@@ -109,16 +109,18 @@ def test_constraints_run_every_mode_again(tiny_models: Path, tmp_path: Path) -> 
     """--regex and --json-schema: each chosen mode again with every request under each
     (" + regex", " + json"), greedy outputs checked against no speculation under the same
     constraint, acceptance compared with the chain under the same constraint, and the drafts
-    a verify step verified reported (the grammar's allowed nodes: below the budget)."""
+    a verify step verified reported (the grammar's allowed nodes: below the budget; with
+    --every-node, tree modes again verifying the forbidden nodes too)."""
     schema = '{"type": "object", "properties": {"code": {"type": "string"}}}'
     out, data = bench(tiny_models, tmp_path, "--budgets", "4", "--repeats", "1", "--modes",
                       "none", "dflash", "ddtree B=4 spine", "--regex", "( [a-z]+)+",
-                      "--json-schema", schema)
+                      "--json-schema", schema, "--every-node")
     assert data["identical_greedy_outputs"] is True
     results = {r["mode"]: r for r in data["results"]}
     modes = ["none", "dflash", "ddtree B=4 spine"]
-    assert list(results) == modes + [m + " + regex" for m in modes] + [
-        m + " + json" for m in modes]
+    every = "ddtree B=4 spine, every node"
+    assert list(results) == modes + [m + " + regex" for m in modes] + [every + " + regex"] \
+        + [m + " + json" for m in modes] + [every + " + json"]
     plain = results["ddtree B=4 spine"]["drafts_per_verify_step"]
     assert 3.5 < plain <= 4
     table = (out / "acceptance.md").read_text()
@@ -126,6 +128,8 @@ def test_constraints_run_every_mode_again(tiny_models: Path, tmp_path: Path) -> 
         # The random drafter's nodes are mostly ones the grammar forbids: not verified.
         tree, chain = results["ddtree B=4 spine" + suffix], results["dflash" + suffix]
         assert tree["drafts_per_verify_step"] < plain
+        # --every-node: the forbidden nodes verified too (as under async scheduling).
+        assert 3.5 < results[every + suffix]["drafts_per_verify_step"] <= 4
         ratio = f"{tree['acceptance_length'] / chain['acceptance_length']:.2f}x" \
             if tree["verify_steps"] else "-"
         assert f"| ddtree B=4 spine{suffix} | 1 | {tree['acceptance_length']:.2f} | " \

@@ -74,6 +74,18 @@ def ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def tree_of(branches: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Tokens and parents (0: the root) of a tree whose root's branches are ``branches``."""
+    tokens, parents = [], []
+    for branch in branches:
+        parent = 0
+        for token in branch:
+            tokens.append(token)
+            parents.append(parent)
+            parent = len(tokens)
+    return tokens, parents
+
+
 def test_a_chain_as_a_tree_gets_the_chain_walks_rows(tokenizer) -> None:
     grammar = grammar_of(tokenizer, r"def [a-z]+\(x\): return x \+ [0-9]+")
     vocab = len(tokenizer)
@@ -92,13 +104,7 @@ def test_each_node_gets_the_chain_walks_row_along_its_path(tokenizer) -> None:
     vocab = len(tokenizer)
     branches = [ids(tokenizer, "maybe"), ids(tokenizer, "nothing"), ids(tokenizer, "yes")
                 + ids(tokenizer, " sir")]
-    tokens, parents = [], []
-    for branch in branches:
-        parent = 0
-        for token in branch:
-            tokens.append(token)
-            parents.append(parent)
-            parent = len(tokens)
+    tokens, parents = tree_of(branches)
     got = rows_of(grammar, tokens, parents, vocab)
     for node in range(1, len(tokens) + 1):
         path = []
@@ -149,13 +155,7 @@ def test_the_scheduler_keeps_the_nodes_the_grammar_allows(tokenizer) -> None:
     branches = [ids(tokenizer, "nothing"), ids(tokenizer, "maybe sir"),
                 ids(tokenizer, "yes") + ids(tokenizer, " madam"),
                 ids(tokenizer, "no sir") + [end] + ids(tokenizer, " ok")]
-    tokens, parents = [], []
-    for branch in branches:
-        parent = 0
-        for token in branch:
-            tokens.append(token)
-            parents.append(parent)
-            parent = len(tokens)
+    tokens, parents = tree_of(branches)
     tokens.append(0)  # an adaptive tree's padding: not a node
     parents.append(-1)
 

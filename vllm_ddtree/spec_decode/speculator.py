@@ -143,8 +143,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Before a step's inputs: the tree nodes the scheduler kept of each structured
         request's drafts (its grammar allows them: grammar_tree.py; patch 0014), by their
         draft-time numbers, go first, in that order, so that the step verifies them (the
-        scheduled prefix) and nothing the grammar forbids. Host data to the device, no sync.
-        """
+        scheduled prefix) and nothing the grammar forbids. Host data copied to the device
+        without waiting (pinned where it can be)."""
         if not tree_nodes:
             return
         slots, orders, nodes = [], [], range(1, self.budget + 1)
@@ -155,9 +155,11 @@ class DDTreeSpeculator(DFlashSpeculator):
                 slots.append(slot)
                 orders.append([0, *kept, *rest])
         if slots:
+            from vllm.utils.torch_utils import async_tensor_h2d
+
             device = self.trees.parents.device
-            self.trees.renumber(torch.tensor(slots, device=device),
-                                torch.tensor(orders, device=device),
+            self.trees.renumber(async_tensor_h2d(slots, device, torch.int64),
+                                async_tensor_h2d(orders, device, torch.int64),
                                 self.req_states.draft_tokens)
 
     def draft_logits_at(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -118,8 +118,9 @@ this Python. Returns the environment the staged bundle runs in."""
                PYTHONPATH=f"{work / 'tmp' / 'site'}{os.pathsep}{REPO}")
     env.pop("TRITON_INTERPRET", None)
     assert f"PYTHONPATH={work / 'tmp' / 'site'}:{REPO}" in env_file.read_text()
-    subprocess.run([py, "setup.py", "-q", "build_ext", "--inplace"], check=True, cwd=REPO,
-                   env=dict(env, FORCE_CPU="1"), capture_output=True)
+    built = subprocess.run([py, "setup.py", "-q", "build_ext", "--inplace"], cwd=REPO,
+                           env=dict(env, FORCE_CPU="1"), capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-3000:]  # say why
     done = subprocess.run([py, "-m", "vllm_ddtree.cli", "patches", "apply"], env=env,
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("applied "), done.stderr

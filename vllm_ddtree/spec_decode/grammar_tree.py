@@ -49,7 +49,7 @@ def take_tree_drafts(request: Any, draft_token_ids: Any, index: int,
     parents = draft_token_ids.draft_parents
     tree = parents[index] if parents is not None else None
     request.spec_tree = None if tree is None else SpecTree(tree)
-    if tree is None:
+    if request.spec_tree is None:
         return None
     tokens = strip_speculative_padding(draft_token_ids.draft_token_ids[index])
     grammar = _tree_grammar(manager, request) if manager is not None else None

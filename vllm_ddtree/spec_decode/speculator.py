@@ -147,20 +147,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         without waiting (pinned where it can be)."""
         if not tree_nodes:
             return
-        slots, orders, nodes = [], [], range(1, self.budget + 1)
-        for req_id, kept in tree_nodes.items():
-            slot = self.req_states.req_id_to_index.get(req_id)
-            if slot is not None:
-                rest = sorted(set(nodes).difference(kept))
-                slots.append(slot)
-                orders.append([0, *kept, *rest])
-        if slots:
-            from vllm.utils.torch_utils import async_tensor_h2d
+        from vllm.utils.torch_utils import async_tensor_h2d
 
-            device = self.trees.parents.device
-            self.trees.renumber(async_tensor_h2d(slots, device, torch.int64),
-                                async_tensor_h2d(orders, device, torch.int64),
-                                self.req_states.draft_tokens)
+        slots = [self.req_states.req_id_to_index[req_id] for req_id in tree_nodes]
+        orders = [[0, *kept, *sorted(set(range(1, self.budget + 1)).difference(kept))]
+                  for kept in tree_nodes.values()]
+        device = self.trees.parents.device
+        self.trees.renumber(async_tensor_h2d(slots, device, torch.int64),
+                            async_tensor_h2d(orders, device, torch.int64),
+                            self.req_states.draft_tokens)
 
     def draft_logits_at(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The drafter's logits, ``[num_reqs * tree_depth, vocab]``, request-major."""

@@ -326,3 +326,38 @@ def test_kernels_compile_for_hopper_and_blackwell(arch: str) -> None:
                    "_commit_gdn_kernel", "_commit_conv_kernel"):
         assert any(line.startswith(f"ok   {arch} {kernel} ") for line in compiled), kernel
     assert all(line.startswith(f"ok   {arch} ") for line in compiled)
+
+
+def test_varlen_decode_graph_layout_matches_dense_reference() -> None:
+    """Adaptive trees' verify step as a varlen FULL decode graph replays it (TREE_ATTN
+    declares lengths 1..tree_budget + 1 a request): each request verifies a prefix of its
+    tree, its length only in query_start_loc, the tokens padded to the graph's size and
+    the requests with empty ones. The real rows are the dense reference's. (The Triton
+    kernel: the CPU's torch path runs no graphs, so never sees padding.)"""
+    import dataclasses
+
+    kinds, num_nodes = ["bushy", "deep", "chain", "star", "bushy"], 17
+    full = make_batch(7, kinds, num_nodes, [37, 5, 70, 0, 16], 8, 2, 64, 16, torch.float32)
+    keep = [17, 1, 9, 4, 12]  # each request's verified prefix (1: the root alone)
+    starts = full.query_start_loc.tolist()
+    rows = torch.cat([torch.arange(s, s + k) for s, k in zip(starts, keep)])
+    context = [int(s) - num_nodes for s in full.seq_lens]
+    trimmed = dataclasses.replace(
+        full, query=full.query[rows],
+        seq_lens=torch.tensor([c + k for c, k in zip(context, keep)], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *keep]).cumsum(0).to(torch.int32))
+    pad_tokens, pad_reqs = 11, 3
+    real = trimmed.query.shape[0]
+    padded = dataclasses.replace(
+        trimmed,
+        query=torch.cat([trimmed.query, torch.randn(pad_tokens, *trimmed.query.shape[1:])]),
+        block_table=torch.cat([trimmed.block_table,
+                               torch.zeros(pad_reqs, trimmed.block_table.shape[1],
+                                           dtype=torch.int32)]),
+        seq_lens=torch.cat([trimmed.seq_lens, torch.zeros(pad_reqs, dtype=torch.int32)]),
+        query_start_loc=torch.cat([trimmed.query_start_loc,
+                                   torch.full((pad_reqs,), real, dtype=torch.int32)]),
+        tree_index=torch.cat([trimmed.tree_index, torch.full((pad_reqs,), -1,
+                                                             dtype=torch.int32)]))
+    err = (run("triton", padded)[:real].double() - dense_reference(trimmed)).abs().max().item()
+    assert err <= TOLERANCE[torch.float32], f"max abs error {err}"

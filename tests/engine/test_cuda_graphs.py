@@ -59,7 +59,7 @@ def graph_manager(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
     monkeypatch.setattr(torch.cuda, "graph", recording)
 
-    def build(config, backend):
+    def build(config, backend, varlen_decode: bool = False):
         from vllm.config import CUDAGraphMode
 
         cc = config.compilation_config
@@ -72,7 +72,8 @@ def graph_manager(monkeypatch):
             max_num_reqs=config.scheduler_config.max_num_seqs)
         return cudagraph_utils.CudaGraphManager(
             config, torch.device("cpu"), mode,
-            decode_query_lens=config.get_decode_cudagraph_query_lens(query_len))
+            decode_query_lens=config.get_decode_cudagraph_query_lens(query_len),
+            varlen_decode=varlen_decode)
 
     return build
 
@@ -127,3 +128,87 @@ def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, bud
     assert dispatch(most + 1, (most + 1) * step, step).cg_mode != CUDAGraphMode.FULL
     mixed = dispatch(3, 2 * step + 100, None)
     assert mixed.cg_mode != CUDAGraphMode.FULL and mixed.num_tokens >= 2 * step + 100
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+def test_adaptive_verify_steps_replay_varlen_full_graphs(graph_manager, budget: int) -> None:
+    """Adaptive trees verify a prefix of each request's tree: the runner's manager is
+    vLLM's varlen one (patch 0013's seat), and with TREE_ATTN's declared bound every decode
+    batch of 1..tree_budget + 1 tokens a request, in any mix, replays a FULL graph. The
+    start-up check passes for TREE_ATTN's groups and refuses, naming both settings, a
+    backend whose FULL graphs take uniform batches only."""
+    import numpy as np
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.worker.gpu import model_runner
+    from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
+
+    from vllm_ddtree.attention.backend import TreeAttentionMetadataBuilder
+    from vllm_ddtree.spec_decode.adaptive.sizing import use_varlen_graphs
+
+    spec = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": budget,
+            "enable_adaptive_verification": True}
+    config = engine_config(spec, max_num_batched_tokens=8192)
+    step = budget + 1
+    assert TreeAttentionMetadataBuilder.get_varlen_cudagraph_max_query_len(config, None) \
+        == step
+
+    def runner_with(builder) -> SimpleNamespace:  # noqa: ANN001
+        group = SimpleNamespace(layer_names=["target.attn"], kv_cache_spec=None,
+                                get_metadata_builder=lambda i: builder, backend=builder)
+        kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+            layer_names=["target.attn", "draft.attn"])])
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+        return SimpleNamespace(compilation_config=config.compilation_config,
+                               kv_cache_config=kv, attn_groups=[[group]],
+                               vllm_config=config, decode_query_len=step, model=None)
+
+    class UniformOnly(TreeAttentionMetadataBuilder):
+        _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
+        @classmethod
+        def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec):  # noqa
+            return None
+
+    with pytest.raises(ValueError, match=r"enable_adaptive_verification.*UniformOnly.*"
+                                         r"compilation_config\.cudagraph_mode"):
+        use_varlen_graphs(runner_with(UniformOnly), {"draft.attn"})
+    runner = runner_with(TreeAttentionMetadataBuilder)
+    # Without piecewise capture (no compiled submodule), vLLM's resolution for its own
+    # adaptive verification: FULL decode graphs only.
+    orig = model_runner.has_compiled_submodule
+    model_runner.has_compiled_submodule = lambda model: False
+    try:
+        use_varlen_graphs(runner, {"draft.attn"})
+    finally:
+        model_runner.has_compiled_submodule = orig
+    assert runner.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+
+    manager = graph_manager(config, TreeAttentionMetadataBuilder, varlen_decode=True)
+    ran: list = []
+
+    def create_forward_fn(desc, warmup: bool):
+        def forward(mode: CUDAGraphMode) -> None:
+            if RecordedGraph.capturing is not None:
+                RecordedGraph.capturing.body = lambda: ran.append((desc, "replay"))
+            ran.append((desc, mode))
+        return forward
+
+    manager.capture(create_forward_fn)
+    rng = np.random.default_rng(0)
+    for num_reqs in (1, 2, 5, 8, 16):
+        lengths = rng.integers(1, step + 1, size=num_reqs)
+        lengths[0] = step  # the scheduler's width: the longest query it scheduled
+        num_tokens = int(lengths.sum())
+        if num_tokens > 8192:
+            continue
+        uniform = step if (lengths == step).all() else None
+        desc, _ = dispatch_cg_and_sync_dp(manager, num_reqs, num_tokens, uniform, 1, 0,
+                                          max_query_len=step,
+                                          uniform_decode=uniform == step)
+        assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_tokens >= num_tokens, (
+            num_reqs, lengths, desc)
+        assert desc.max_query_len is None or desc.max_query_len >= step
+        ran.clear()
+        manager.run_fullgraph(desc)
+        assert ran == [(desc, "replay")]

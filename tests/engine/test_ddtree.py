@@ -145,6 +145,30 @@ def test_settings_trees_cannot_honour_are_refused_by_name(spec: dict, named: str
         args.create_engine_config()
 
 
+@pytest.mark.parametrize(("fields", "other"), [
+    ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.0},
+     "rejection_sample_method"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 4, 16], [5, 256, 4]]},
+     "num_speculative_tokens_per_batch_size"),
+])
+@pytest.mark.parametrize("method", ["ddtree", "jetspec"])
+def test_settings_adaptive_trees_cannot_honour_are_refused_naming_both(
+        method: str, fields: dict, other: str) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = tree_spec(method, tree_budget=16) | {"enable_adaptive_verification": True}
+    args = EngineArgs(model=str(PAIR / "target"), max_model_len=512,
+                      speculative_config=spec | fields)
+    with pytest.raises(ValueError) as refused:
+        args.create_engine_config()
+    assert "enable_adaptive_verification" in str(refused.value)
+    assert other in str(refused.value)
+    # Each alone is set up.
+    EngineArgs(model=str(PAIR / "target"), max_model_len=512,
+               speculative_config=tree_spec(method, tree_budget=16) | fields
+               ).create_engine_config()
+
+
 @pytest.mark.parametrize(("engine", "named"), [
     (dict(logprobs_mode="processed_logprobs"), "logprobs_mode"),
     (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),

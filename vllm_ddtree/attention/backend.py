@@ -69,6 +69,14 @@ class TreeAttentionMetadataBuilder(TreeBatchReader, TritonAttentionMetadataBuild
         max_reqs = vllm_config.scheduler_config.max_num_seqs
         self._no_trees = TreeBatch(max_reqs, 0, device)
 
+    @classmethod
+    def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec) -> int | None:
+        """Adaptive trees verify each request's own prefix of its tree: the kernel takes
+        every request's length from the device's query_start_loc (its grid covers any
+        split of the step's tokens), so a FULL decode graph replays any mix of 1 to
+        tree_budget + 1 tokens a request."""
+        return vllm_config.uniform_decode_query_len
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TreeAttentionMetadata:
         cm = common_attn_metadata

@@ -117,6 +117,8 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
                              f"false, got {options.adaptive!r}")
         options.adaptive = options.adaptive or bool(spec.enable_adaptive_verification)
         spec.enable_adaptive_verification = False
+        if options.adaptive:
+            _refuse_with_adaptive(spec)
         if options.adaptive and (target.is_hybrid or target.has_inner_state):
             # vLLM's GDN metadata takes a step's verify lengths as uniform unless its own
             # adaptive verification is on; trees of varying sizes are not checked there yet.
@@ -276,6 +278,21 @@ def _verify_dynamic_schedule(spec: Any) -> None:
     except ValueError as e:
         raise ValueError(f"speculative_config.num_speculative_tokens_per_batch_size is "
                          f"{spec.num_speculative_tokens_per_batch_size!r}: {e}") from e
+
+
+def _refuse_with_adaptive(spec: Any) -> None:
+    """Settings adaptive trees cannot honour, named with it: synthetic acceptance replaces
+    the target's verdicts the calibration learns from, and a per-batch-size schedule
+    fixes the drafts per step that the sizing chooses."""
+    if spec.rejection_sample_method == "synthetic":
+        raise ValueError("speculative_config.enable_adaptive_verification cannot be "
+                         "combined with rejection_sample_method 'synthetic': adaptive trees "
+                         "calibrate on the target's verdicts, which synthetic acceptance "
+                         "replaces; benchmark a fixed tree_budget instead")
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        raise ValueError("speculative_config.enable_adaptive_verification cannot be "
+                         "combined with num_speculative_tokens_per_batch_size: both size "
+                         "each step's drafts; set one of them")
 
 
 class JetSpecSpeculatorConfig(DDTreeSpeculatorConfig):

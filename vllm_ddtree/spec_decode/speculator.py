@@ -166,8 +166,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         the config asks for them (enable_adaptive_verification), else none."""
         if not tree_options(self.vllm_config.speculative_config).adaptive:
             return None
-        from vllm_ddtree.spec_decode.adaptive.sizing import AdaptiveTreeSizing
+        from vllm_ddtree.spec_decode.adaptive.sizing import AdaptiveTreeSizing, use_varlen_graphs
 
+        use_varlen_graphs(runner, self.draft_attn_layer_names)
         self.sizing = self.verifier.sizing = AdaptiveTreeSizing(runner, self.trees,
                                                                 self.budget)
         return self.sizing

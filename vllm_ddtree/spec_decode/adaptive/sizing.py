@@ -92,6 +92,40 @@ def after_choice(state: dict[str, Any], choice: Choice) -> None:
                      wait=min(2 * state["wait"], PROBE_AFTER[1]))
 
 
+def use_varlen_graphs(runner: Any, draft_layer_names: set[str]) -> None:
+    """With FULL CUDA graphs, verify steps of varying tree sizes replay V2's varlen decode
+    graphs, as vLLM's own adaptive verification does: every target attention backend must
+    replay per-request lengths of 1 to tree_budget + 1 (else refused at start-up, naming
+    both settings), and the graph mode is resolved the way vLLM resolves it for its own."""
+    from vllm.v1.worker.gpu import model_runner
+    from vllm.v1.worker.gpu.attn_utils import get_varlen_cudagraph_unsupported_backend
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import (
+        resolve_adaptive_cudagraph_mode,
+    )
+
+    compilation = runner.compilation_config
+    if not compilation.cudagraph_mode.has_full_cudagraphs():
+        return
+    target_layers = {name for group in runner.kv_cache_config.kv_cache_groups
+                     for name in group.layer_names} - set(draft_layer_names)
+    unsupported = get_varlen_cudagraph_unsupported_backend(
+        runner.attn_groups, runner.vllm_config, runner.decode_query_len,
+        checked_layer_names=target_layers)
+    if unsupported is not None:
+        backend, bound = unsupported
+        raise ValueError(
+            f"speculative_config.enable_adaptive_verification: adaptive trees replay FULL "
+            f"decode CUDA graphs of 1 to {runner.decode_query_len} tokens a request "
+            f"(tree_budget + 1), which the {backend} attention backend does not "
+            f"(it allows {'none' if bound is None else f'at most {bound}'}); leave it "
+            f"false, or set compilation_config.cudagraph_mode to one without FULL graphs "
+            f"(PIECEWISE or NONE)")
+    piecewise = bool(model_runner.is_breakable_cudagraph_enabled(compilation)
+                     or model_runner.has_compiled_submodule(runner.model))
+    compilation.cudagraph_mode = resolve_adaptive_cudagraph_mode(
+        compilation.cudagraph_mode, piecewise_capture_available=piecewise)
+
+
 class AdaptiveTreeSizing:
     def __init__(self, runner: Any, trees: Any, budget: int) -> None:
         from vllm.distributed.parallel_state import get_tp_group

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check, in one run of a few minutes on a machine with a CUDA GPU: vLLM itself
 # (staged from the GPU bundle where the machine has no vLLM), ddtree lossless inside vLLM
-# with CUDA graphs and the Triton TREE_ATTN, the throughput benchmark at Qwen3-8B shapes
+# with CUDA graphs and the Triton TREE_ATTN, adaptive trees' cost curves measured at
+# Qwen3-8B shapes and replayed, the throughput benchmark at those shapes
 # (synthetic acceptance), then the CUDA ops' tests and timings and the tree-attention
 # benchmarks, in that order: what is left out when time runs short comes last. Everything
 # printed also goes to $OUT/gpu_check.log (default OUT=/tmp/gpu_check), beside the
@@ -147,6 +148,16 @@ main() {
       --time-budget-s 120 --concurrency 1 8 --output-len 128 --chain-acceptance 4 \
       --tree 8:4.0 16:4.5 64:5.0 --dynamic --out "$hybrid"
     cp "$hybrid/throughput.md" "$OUT/throughput_hybrid.md" 2>/dev/null || true
+    step "adaptive trees: this GPU's step-cost curves at Qwen3-8B shapes, replayed beside fixed budgets"
+    # The start-up profile of an adaptive engine (dummy weights), then the tiny pair's
+    # recorded trees and verdicts replayed on those curves (the table alone comes back).
+    curves=$(mktemp -d)
+    check "adaptive cost curves" 180 "$PY" scripts/replay_adaptive.py measure --shape 8b \
+      --out "$curves/h200.json"
+    check "adaptive replay on the measured curves" 60 "$PY" scripts/replay_adaptive.py replay \
+      --trace docs/adaptive-replay/trace-tiny-pair.npz --curves "$curves/h200.json" \
+      --out "$curves"
+    cp "$curves/replay-h200.md" "$OUT/adaptive_replay_h200.md" 2>/dev/null || true
     step "throughput at Qwen3-8B shapes (dummy weights, synthetic acceptance)"
     # What is left, less about 3 minutes for the CUDA op tests and timings after it.
     budget=$(left_s 180)

@@ -14,7 +14,12 @@ from vllm_ddtree.spec_decode.adaptive.calibration import (
     AcceptanceCalibration,
 )
 from vllm_ddtree.spec_decode.adaptive.costs import CostCurve, StepCosts, StepTimer
-from vllm_ddtree.spec_decode.adaptive.sizing import Choice, after_choice, choose_nodes
+from vllm_ddtree.spec_decode.adaptive.sizing import (
+    Choice,
+    after_choice,
+    choose_nodes,
+    probes_now,
+)
 
 
 def costs_of(verify: dict[int, float], draft: dict[int, float],
@@ -121,6 +126,21 @@ def test_pauses_back_off_until_drafting_lasts() -> None:
         after_choice(state, drafting)
     after_choice(state, paused)
     assert state["probe_in"] == 4
+
+
+def test_a_paused_drafter_probes_when_its_wait_ends_or_the_batch_halves() -> None:
+    """Paused with 32 requests: it probes after its wait at 20 requests, at once (the
+    back-off restarted) when the batch falls to 16 or fewer."""
+    state = {"drafting": True, "wait": 16, "run": 0, "probe_in": 0, "widest": 8,
+             "paused_reqs": 0}
+    after_choice(state, Choice(np.zeros(32, dtype=np.int32), False, 0.0))
+    assert (state["paused_reqs"], state["probe_in"]) == (32, 16)
+    probed = [probes_now(state, 20) for _ in range(16)]
+    assert probed == [False] * 15 + [True] and state["probe"] and state["drafting"]
+    assert state["wait"] == 32
+    after_choice(state, Choice(np.zeros(32, dtype=np.int32), False, 0.0))
+    assert [probes_now(state, n) for n in (30, 17, 16)] == [False, False, True]
+    assert state["wait"] == 4 and state["widest"] == 8
 
 
 def test_served_periods_over_predicted_ones_scale_the_estimates() -> None:

@@ -20,7 +20,8 @@ verifies nothing and the drafter pauses: it still stores the committed tokens' c
 (``DDTreeSpeculator._store_context``), so its context is right when it drafts again; the
 scheduler is told to schedule no drafts (``drafts_to_schedule``); and it probes (drafts one
 tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused steps,
-the back-off restarting only after 8 drafting steps in a row.
+the back-off restarting only after 8 drafting steps in a row, or at once when the batch
+has shrunk to half the requests it paused with.
 """
 
 from __future__ import annotations
@@ -89,7 +90,22 @@ def after_choice(state: dict[str, Any], choice: Choice) -> None:
             state["wait"] = PROBE_AFTER[0]
     else:
         state.update(drafting=False, probe_in=state["wait"], run=0,
-                     wait=min(2 * state["wait"], PROBE_AFTER[1]))
+                     wait=min(2 * state["wait"], PROBE_AFTER[1]),
+                     paused_reqs=len(choice.nodes))
+
+
+def probes_now(state: dict[str, Any], num_reqs: int) -> bool:
+    """A paused step: whether the drafter drafts again (a probe) at its end: its wait is
+    over, or the batch has shrunk to half the requests it paused with or fewer (a node
+    costs a smaller batch less, so drafting may pay again; the back-off restarts)."""
+    state["probe_in"] -= 1
+    shrunk = 2 * num_reqs <= state["paused_reqs"]
+    if state["probe_in"] > 0 and not shrunk:
+        return False
+    if shrunk:
+        state["wait"] = PROBE_AFTER[0]
+    state.update(drafting=True, probe=True, widest=PROBE_WIDTH)
+    return True
 
 
 def use_varlen_graphs(runner: Any, draft_layer_names: set[str]) -> None:
@@ -150,7 +166,7 @@ class AdaptiveTreeSizing:
         # drafted in a row.
         self.state = {"drafting": True, "drafted": True, "widest": budget,
                       "profiled": False, "probe": False, "probe_in": 0,
-                      "wait": PROBE_AFTER[0], "run": 0}
+                      "wait": PROBE_AFTER[0], "run": 0, "paused_reqs": 0}
         self.counters = {"steps": 0, "paused_steps": 0, "nodes": 0, "min_nodes": None,
                          "max_nodes": 0, "predicted": 0.0, "probes": 0}
         self._logged = time.monotonic()
@@ -256,11 +272,8 @@ class AdaptiveTreeSizing:
         state = self.state
         state["probe"] = False
         if not state["drafting"] and state["profiled"]:
-            state["probe_in"] -= 1
             self.counters["paused_steps"] += 1
-            if state["probe_in"] <= 0:
-                state.update(drafting=True, probe=True, widest=PROBE_WIDTH)
-                self.counters["probes"] += 1
+            self.counters["probes"] += probes_now(state, input_batch.num_reqs)
         predicted, self._predicted = self._predicted, None
         self.timer.drafter_start(input_batch.num_tokens, input_batch.num_reqs,
                                  state["drafting"], predicted)

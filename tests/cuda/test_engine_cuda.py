@@ -322,3 +322,27 @@ def test_bfloat16_default_graphs_lossless_on_the_gpu_path(
     check_drafter_graphs(llm, "FULL_AND_PIECEWISE", recorded)
     check_tree_attention(llm)
     check_acceptance(llm)
+
+
+def test_adaptive_trees_replay_varlen_full_graphs(float32_target, monkeypatch) -> None:
+    """Adaptive trees (set costs: sizes vary by request and step) with vLLM's default
+    graphs: greedy output is the target alone's, and verify steps whose requests verify
+    prefixes of different lengths replay FULL graphs (vLLM's varlen decode graphs, which
+    TREE_ATTN declares it replays)."""
+    from engine_helpers import fixed_step_costs, use_step_costs
+    from vllm.config.compilation import CUDAGraphMode
+
+    spec = tree_spec(PAIR, BUDGET) | {"enable_adaptive_verification": True}
+    llm = make_llm(PAIR, "float32", spec)
+    runner = runner_of(llm)
+    assert runner.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    sizing = use_step_costs(runner, fixed_step_costs(per_token_ms=0.01, draft_ms=0.05))
+    record = GraphRecord(runner.cudagraph_manager, monkeypatch)
+    assert tokens_of(greedy(llm)) == float32_target
+    chosen = sizing.stats()
+    assert 0 < chosen["min_nodes"] < chosen["max_nodes"], chosen
+    varlen = [d for d in record.replayed
+              if d.uniform_token_count is None and d.max_query_len == BUDGET + 1]
+    assert varlen, record.dispatched
+    assert runner.speculator.verifier.stats()["longest_accepted"] >= 3
+    assert chosen["paths_off_the_greedy_chain"] > 0, chosen

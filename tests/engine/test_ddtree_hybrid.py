@@ -379,19 +379,27 @@ def test_prefix_caching_is_the_target_without(caching_baselines, monkeypatch, ar
 
 
 @pytest.mark.slow
-def test_full_graph_metadata_stays_lossless(hybrid_baselines, monkeypatch) -> None:
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_full_graph_metadata_stays_lossless(hybrid_baselines, monkeypatch,
+                                            adaptive: bool) -> None:
     """The GDN metadata FULL CUDA graphs read: with the GDN builders staging every verify
     step's metadata into their persistent graph buffers (as under FULL graphs on a GPU; the
     CPU runs eagerly, so the buffers are read directly), output stays the target's with
-    trees accepted deep. The state-slot buffer is as wide as the tree's columns (patch 0006:
-    a budget-wide buffer failed to take them)."""
+    trees accepted deep, fixed or adaptive (each request's own prefix: a varlen graph's
+    batch). The state-slot buffer is as wide as the tree's columns (patch 0006: a
+    budget-wide buffer failed to take them)."""
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
     pair, baseline, truth = hybrid_baselines("qwen3_next")
     with_oracle(monkeypatch, truth, seed=16)
-    _, llm = generate(pair, tree_spec(pair, 16), prompts=PROMPTS[:1], max_tokens=1)
+    spec = tree_spec(pair, 16, enable_adaptive_verification=adaptive)
+    _, llm = generate(pair, spec, prompts=PROMPTS[:1], max_tokens=1)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
+    if adaptive:
+        from engine_helpers import fixed_step_costs, use_step_costs
+
+        sizing = use_step_costs(runner, fixed_step_costs(per_token_ms=0.05, draft_ms=0.05))
     builders = [b for groups in runner.attn_groups for g in groups
                 for b in g.metadata_builders if isinstance(b, GDNAttentionMetadataBuilder)]
     staged = []
@@ -413,17 +421,56 @@ def test_full_graph_metadata_stays_lossless(hybrid_baselines, monkeypatch) -> No
     assert builders and any(staged)
     assert got == {p: t[:MAX_TOKENS] for p, t in baseline.items()}
     assert tree_stats(llm)["longest_accepted"] >= 3
+    if adaptive:
+        chosen = sizing.stats()
+        assert 0 < chosen["min_nodes"] < chosen["max_nodes"], chosen
 
 
-def test_adaptive_trees_are_refused_on_hybrids(tiny_hybrid: Path) -> None:
-    from vllm.engine.arg_utils import EngineArgs
+@pytest.mark.slow
+@pytest.mark.parametrize("caching", [False, True])
+def test_adaptive_trees_stay_lossless_on_a_hybrid(hybrid_baselines, monkeypatch,
+                                                  caching: bool) -> None:
+    """Qwen3-Next with adaptive trees (cap 16): every step verifies a prefix of each
+    request's tree, of varying length (none for some), through the GDN tree path; then the
+    drafter pauses (its context kept while the recurrent state advances a token a step)
+    and resumes. Greedy output is the target's, with paths accepted deep and off the
+    greedy chain, prefix caching on (align mode) and off."""
+    from engine_helpers import fixed_step_costs, use_step_costs
+    from vllm import SamplingParams
 
-    with pytest.raises(ValueError, match="enable_adaptive_verification: adaptive trees do not "
-                                         "serve hybrid"):
-        EngineArgs(model=str(tiny_hybrid / "target"), max_model_len=512, dtype="bfloat16",
-                   enable_prefix_caching=False,
-                   speculative_config=tree_spec(tiny_hybrid, 4) | {
-                       "enable_adaptive_verification": True}).create_engine_config()
+    pair, baseline, truth = hybrid_baselines("qwen3_next")
+    with_oracle(monkeypatch, truth, seed=16)
+    llm = hybrid_engine(pair, tree_spec(pair, 16, enable_adaptive_verification=True),
+                        caching, **language_model_only(pair))
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+    sizing = use_step_costs(runner, fixed_step_costs(per_token_ms=0.05, draft_ms=0.05))
+    engine, done = llm.llm_engine, {}
+    tokens = MAX_TOKENS + 16  # all the baseline has
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    paused = None
+    for step in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 3:  # drafting stops paying: the drafter pauses
+            sizing.timer.costs = fixed_step_costs(per_token_ms=0.05, draft_ms=100.0)
+        if step == 8:
+            paused = sizing.stats()
+            sizing.timer.costs = fixed_step_costs(per_token_ms=0.05, draft_ms=0.05)
+        for out in engine.step():
+            if out.finished:
+                done[out.prompt] = list(out.outputs[0].token_ids)
+    assert done == {p: t[:tokens] for p, t in baseline.items()}
+    chosen = sizing.stats()
+    assert paused is not None and paused["paused_steps"] >= 3, paused
+    assert chosen["steps"] > paused["steps"] and chosen["realized"] > paused["realized"]
+    assert 0 < chosen["min_nodes"] < chosen["max_nodes"], chosen
+    assert chosen["paths_off_the_greedy_chain"] > 0, chosen
+    assert tree_stats(llm)["longest_accepted"] >= 3
+    gdn = verifier(llm).gdn
+    assert gdn is not None and gdn.commits > 0
 
 
 @pytest.mark.slow

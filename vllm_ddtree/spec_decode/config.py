@@ -119,12 +119,6 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         spec.enable_adaptive_verification = False
         if options.adaptive:
             _refuse_with_adaptive(spec)
-        if options.adaptive and (target.is_hybrid or target.has_inner_state):
-            # vLLM's GDN metadata takes a step's verify lengths as uniform unless its own
-            # adaptive verification is on; trees of varying sizes are not checked there yet.
-            raise ValueError(f"speculative_config.enable_adaptive_verification: adaptive "
-                             f"trees do not serve hybrid (recurrent) targets yet "
-                             f"({target.model!r}); leave it false for a fixed tree_budget")
         spec.speculator_options = {k: v for k, v in asdict(options).items() if k != "model"}
         # Synthetic acceptance (benchmarking only): per-depth rates, padded for vLLM's
         # check; a config set up before keeps its padded rates.

@@ -78,6 +78,22 @@ def graph_manager(monkeypatch):
     return build
 
 
+def capture(manager) -> list:  # noqa: ANN001
+    """Captures every graph of ``manager``; the list it returns records each forward run
+    from now on, (descriptor, mode), and each replay, (descriptor, "replay")."""
+    ran: list = []
+
+    def create_forward_fn(desc, warmup: bool):  # noqa: ANN001, ANN202
+        def forward(mode) -> None:  # noqa: ANN001
+            if RecordedGraph.capturing is not None:
+                RecordedGraph.capturing.body = lambda: ran.append((desc, "replay"))
+            ran.append((desc, mode))
+        return forward
+
+    manager.capture(create_forward_fn)
+    return ran
+
+
 @pytest.mark.parametrize(("budget", "most"), [(16, 32), (64, 32), (256, 31), (1024, 7)])
 def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, budget: int,
                                                               most: int) -> None:
@@ -97,16 +113,7 @@ def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, bud
     manager = graph_manager(config, TreeAttentionMetadataBuilder)
     step = budget + 1
 
-    ran: list[tuple[object, CUDAGraphMode]] = []
-
-    def create_forward_fn(desc, warmup: bool):
-        def forward(mode: CUDAGraphMode) -> None:
-            if RecordedGraph.capturing is not None:
-                RecordedGraph.capturing.body = lambda: ran.append((desc, "replay"))
-            ran.append((desc, mode))
-        return forward
-
-    manager.capture(create_forward_fn)
+    ran = capture(manager)
     captured_full = {d.num_reqs for d in manager.graphs if d.cg_mode == CUDAGraphMode.FULL
                      and d.uniform_token_count == step}
     assert captured_full == set(range(1, most + 1)), sorted(captured_full)
@@ -185,16 +192,7 @@ def test_adaptive_verify_steps_replay_varlen_full_graphs(graph_manager, budget: 
     assert runner.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
 
     manager = graph_manager(config, TreeAttentionMetadataBuilder, varlen_decode=True)
-    ran: list = []
-
-    def create_forward_fn(desc, warmup: bool):
-        def forward(mode: CUDAGraphMode) -> None:
-            if RecordedGraph.capturing is not None:
-                RecordedGraph.capturing.body = lambda: ran.append((desc, "replay"))
-            ran.append((desc, mode))
-        return forward
-
-    manager.capture(create_forward_fn)
+    ran = capture(manager)
     rng = np.random.default_rng(0)
     for num_reqs in (1, 2, 5, 8, 16):
         lengths = rng.integers(1, step + 1, size=num_reqs)

@@ -157,7 +157,7 @@ main() {
     check "adaptive replay on the measured curves" 60 "$PY" scripts/replay_adaptive.py replay \
       --trace docs/adaptive-replay/trace-tiny-pair.npz --curves "$curves/h200.json" \
       --out "$curves"
-    cp "$curves/replay-h200.md" "$OUT/adaptive_replay_h200.md" 2>/dev/null || true
+    cp "$curves/replay-trace-tiny-pair-h200.md" "$OUT/adaptive_replay_h200.md" 2>/dev/null || true
     step "throughput at Qwen3-8B shapes (dummy weights, synthetic acceptance)"
     # What is left, less about 3 minutes for the CUDA op tests and timings after it.
     budget=$(left_s 180)

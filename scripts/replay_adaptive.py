@@ -13,6 +13,7 @@ the device, not a timing, and every row says which curves it used.
 
   scripts/replay_adaptive.py record --out docs/adaptive-replay/trace-tiny-pair.npz
       # the trained tiny pair on this CPU: greedy, concurrency 8, every node verified
+      # (--drafter jetspec-drafter: its JetSpec head, trace-tiny-pair-jetspec.npz)
   scripts/replay_adaptive.py measure --out curves.json [--shape 8b]
       # an engine's start-up profile of its step costs (on a GPU: the device's own curves)
   scripts/replay_adaptive.py replay --trace docs/adaptive-replay/trace-tiny-pair.npz \\
@@ -257,7 +258,8 @@ def replay_main(args: argparse.Namespace) -> int:
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "replay.md" if not args.curves else f"replay-{args.curves.stem}.md"
+        name = f"replay-{args.trace.stem}" + (f"-{args.curves.stem}" if args.curves else "")
+        name += ".md"
         (args.out / name).write_text(f"# Adaptive trees, replayed\n\n{text}")
     return 0
 
@@ -284,8 +286,10 @@ def record_main(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(REPO / "tests"))
     from engine_helpers import fixed_step_costs, use_step_costs
 
-    spec = {"method": "ddtree", "model": str(args.pair / "drafter"), "tree_budget": args.cap,
-            "enable_adaptive_verification": True}
+    spec = {"method": "ddtree", "model": str(args.pair / args.drafter),
+            "tree_budget": args.cap, "enable_adaptive_verification": True}
+    if args.drafter == "jetspec-drafter":
+        spec["tree_build"] = "jetspec"
     llm = tiny_engine(args.pair, spec, args.concurrency)
     sizing = use_step_costs(runner_of(llm), fixed_step_costs(0.0, 0.01))
     scores_rows, path_rows = [], []
@@ -361,6 +365,8 @@ def main() -> int:
     rec.add_argument("--concurrency", type=int, default=8)
     rec.add_argument("--num-prompts", type=int, default=32)
     rec.add_argument("--max-tokens", type=int, default=96)
+    rec.add_argument("--drafter", choices=["drafter", "jetspec-drafter"], default="drafter",
+                     help="the pair's DFlash drafter, or its JetSpec head (JetSpec's build)")
     mea = sub.add_parser("measure", help="an engine's start-up cost curves, as JSON")
     mea.add_argument("--out", type=Path, required=True)
     mea.add_argument("--shape", choices=["8b", "tiny"], help="bench_gpu_throughput's shapes "

@@ -193,7 +193,30 @@ def test_cost_curves_interpolate_rise_and_skip_outliers() -> None:
     dipping = CostCurve()
     for size, ms in ((1, 4.0), (64, 2.0)):
         dipping.add(size, ms, trusted=True)
-    assert dipping.at(np.array([64]))[0] == 4.0  # never cheaper for more tokens
+    # Never cheaper for more tokens: the two pooled.
+    assert dipping.at(np.array([1, 64])).tolist() == pytest.approx([3.0, 3.0])
+
+
+def test_a_slow_step_in_one_bucket_does_not_raise_the_whole_curve() -> None:
+    """Measured on this CPU: one slow served step at 11 tokens (12 ms, a bucket no profile
+    run timed) made every size up to 1024 cost 12 ms under a running maximum, so that a
+    step with drafts looked far dearer than it was. A new bucket's sample over OUTLIER
+    times the curve there is dropped; one that is kept is pooled by weight."""
+    profile = {1: 1.6, 2: 1.4, 4: 1.4, 8: 2.3, 16: 3.9, 32: 3.1, 64: 3.8, 128: 4.9,
+               256: 7.7, 512: 12.1, 1024: 23.3}
+    curve = CostCurve()
+    for size, ms in profile.items():
+        curve.add(size, ms, trusted=True)
+    curve.add(11, 12.3)  # a new bucket, far above the curve there: dropped
+    assert curve.at(np.array([11]))[0] < 4.0
+    for size in (32, 64, 128, 256):
+        for _ in range(5):  # served steps confirm the profile
+            curve.add(size, profile[size])
+    curve.add(13, 7.0)  # new, under 4x the curve: kept, then pooled by weight
+    fitted = curve.at(np.array([13, 32, 64, 128, 256, 512]))
+    assert (np.diff(fitted) >= 0).all()
+    assert fitted[2:].tolist() == pytest.approx([3.8, 4.9, 7.7, 12.1], rel=0.05)
+    assert fitted[0] < 4.5
 
 
 class FakeClock:

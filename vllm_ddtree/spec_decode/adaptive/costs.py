@@ -27,18 +27,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_ddtree.spec_decode.adaptive.calibration import non_increasing
+
 BUCKETS_PER_OCTAVE = 4  # sizes within ~19% share a point of a curve
 SMOOTHING = 0.1  # weight of a new sample in its bucket's average
 OUTLIER = 4.0  # a served sample over this many times its bucket's value is dropped
+MAX_WEIGHT = 10  # a bucket's weight in the curve's fit, in samples
 
 
 class CostCurve:
     """Milliseconds over a size: averaged points in log-spaced buckets, read by linear
-    interpolation (non-decreasing; past the last point, extended by the last slope)."""
+    interpolation of their non-decreasing fit (past the last point, extended by the last
+    slope). The fit is the weighted least-squares one (a bucket weighs by its samples): a
+    noisy bucket is pooled with its neighbours, not carried up to every larger size as a
+    running maximum would (one slow step at 11 tokens made every step of up to 1024 look
+    as slow on a CPU)."""
 
     def __init__(self) -> None:
         self.points: dict[int, float] = {}
         self.counts: dict[int, int] = {}
+        self._fit: tuple[np.ndarray, np.ndarray] | None = None
 
     @staticmethod
     def bucket(size: int) -> int:
@@ -47,25 +55,41 @@ class CostCurve:
     def add(self, size: int, ms: float, trusted: bool = False) -> None:
         """A sample: ``trusted`` (the start-up profile's medians) sets a bucket; a served
         step moves it, its first ones most (a served step costs what no dummy run times:
-        sampling every node, the walk), then by the smoothing weight."""
+        sampling every node, the walk), then by the smoothing weight; one over OUTLIER
+        times the bucket (once it has served three) or, for a new bucket, the curve there
+        is dropped."""
         key = self.bucket(size)
         old = self.points.get(key)
+        if not trusted and self.points and (
+                ms > OUTLIER * float(self.at(np.array([size]))[0]) if old is None
+                else self.counts[key] >= 3 and ms > OUTLIER * old):
+            # An idle gap or a one-off (a compile): not the step's cost. A new bucket's
+            # first sample is judged against the curve there.
+            return
+        self._fit = None
         if old is None or trusted:
             self.points[key], self.counts[key] = ms, 0
             return
         served = self.counts[key]
-        if served >= 3 and ms > OUTLIER * old:
-            return  # an idle gap or a one-off (a compile): not the step's cost
         self.points[key] = old + max(SMOOTHING, 1 / (served + 2)) * (ms - old)
         self.counts[key] = served + 1
 
     def __bool__(self) -> bool:
         return bool(self.points)
 
+    def _fitted(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._fit is None:
+            keys = sorted(self.points)
+            values = np.array([self.points[k] for k in keys])
+            # A profiled bucket weighs one sample; served samples add up to MAX_WEIGHT
+            # (the smoothing forgets older ones).
+            weights = np.array([min(1 + self.counts[k], MAX_WEIGHT) for k in keys], float)
+            self._fit = (np.array([2.0 ** (k / BUCKETS_PER_OCTAVE) for k in keys]),
+                         -non_increasing(-values, weights))
+        return self._fit
+
     def at(self, sizes: np.ndarray) -> np.ndarray:
-        keys = sorted(self.points)
-        xs = np.array([2.0 ** (k / BUCKETS_PER_OCTAVE) for k in keys])
-        ys = np.maximum.accumulate(np.array([self.points[k] for k in keys]))
+        xs, ys = self._fitted()
         sizes = np.asarray(sizes, dtype=np.float64)
         out = np.interp(sizes, xs, ys)
         if len(xs) > 1:

@@ -76,6 +76,28 @@ def fixed_step_costs(per_token_ms: float, draft_ms: float, base_ms: float = 5.0)
     return out
 
 
+def pause_and_resume(llm, sizing, prompts: list[str], params, pause_at: int,  # noqa: ANN001
+                     resume_at: int, paying, costly) -> tuple[dict, dict, dict]:
+    """Runs ``prompts`` step by step with adaptive trees whose costs are ``paying`` until
+    step ``pause_at``, ``costly`` (drafting does not pay: the drafter pauses) until
+    ``resume_at``, then ``paying`` again: the outputs by prompt, and the sizing's stats at
+    the two steps."""
+    engine, done, marks = llm.llm_engine, {}, {}
+    sizing.timer.costs = paying
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    for step in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        if step in (pause_at, resume_at):
+            marks[step] = sizing.stats()
+            sizing.timer.costs = costly if step == pause_at else paying
+        for out in engine.step():
+            if out.finished:
+                done[out.prompt] = list(out.outputs[0].token_ids)
+    return done, marks[pause_at], marks[resume_at]
+
+
 def use_step_costs(runner, step_costs) -> object:  # noqa: ANN001
     """The runner's adaptive trees read ``step_costs``, not measured ones, from now on."""
     sizing = runner.adaptive_verification

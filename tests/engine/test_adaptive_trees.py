@@ -92,27 +92,15 @@ def test_a_paused_drafter_resumes_with_its_context_right(alone: dict) -> None:
     """Drafting pays, then costs 100 ms a step (the drafter pauses: drafts are verified only
     when it probes), then pays again: output stays the target's, and after the pause trees
     are accepted as deep as before it (DFlash's context was stored through the pause)."""
+    from engine_helpers import pause_and_resume
     from vllm import SamplingParams
 
     llm = adaptive_engine(adaptive_spec(), 8)
-    sizing = use_costs(llm, costs(per_token_ms=0.01, draft_ms=0.05))
-    engine, done = llm.llm_engine, {}
+    paying = costs(per_token_ms=0.01, draft_ms=0.05)
+    sizing = use_costs(llm, paying)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", prompt, params)
-    before = after = None
-    for step in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        if step == 8:
-            before = sizing.stats()
-            sizing.timer.costs = costs(per_token_ms=0.01, draft_ms=100.0)
-        if step == 24:
-            paused = sizing.stats()
-            sizing.timer.costs = costs(per_token_ms=0.01, draft_ms=0.05)
-        for out in engine.step():
-            if out.finished:
-                done[out.prompt] = list(out.outputs[0].token_ids)
+    done, before, paused = pause_and_resume(llm, sizing, PROMPTS, params, 8, 24, paying,
+                                            costs(per_token_ms=0.01, draft_ms=100.0))
     after = sizing.stats()
     assert done == {p: t[:60] for p, t in target_alone(PROMPTS, 60).items()}
     assert paused["paused_steps"] >= 10 and paused["probes"] >= 1, paused

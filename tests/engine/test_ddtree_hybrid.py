@@ -435,7 +435,7 @@ def test_adaptive_trees_stay_lossless_on_a_hybrid(hybrid_baselines, monkeypatch,
     drafter pauses (its context kept while the recurrent state advances a token a step)
     and resumes. Greedy output is the target's, with paths accepted deep and off the
     greedy chain, prefix caching on (align mode) and off."""
-    from engine_helpers import fixed_step_costs, use_step_costs
+    from engine_helpers import fixed_step_costs, pause_and_resume, use_step_costs
     from vllm import SamplingParams
 
     pair, baseline, truth = hybrid_baselines("qwen3_next")
@@ -444,27 +444,15 @@ def test_adaptive_trees_stay_lossless_on_a_hybrid(hybrid_baselines, monkeypatch,
                         caching, **language_model_only(pair))
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
         .model_runner
-    sizing = use_step_costs(runner, fixed_step_costs(per_token_ms=0.05, draft_ms=0.05))
-    engine, done = llm.llm_engine, {}
+    paying = fixed_step_costs(per_token_ms=0.05, draft_ms=0.05)
+    sizing = use_step_costs(runner, paying)
     tokens = MAX_TOKENS + 16  # all the baseline has
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", prompt, params)
-    paused = None
-    for step in range(10_000):
-        if not engine.has_unfinished_requests():
-            break
-        if step == 3:  # drafting stops paying: the drafter pauses
-            sizing.timer.costs = fixed_step_costs(per_token_ms=0.05, draft_ms=100.0)
-        if step == 8:
-            paused = sizing.stats()
-            sizing.timer.costs = fixed_step_costs(per_token_ms=0.05, draft_ms=0.05)
-        for out in engine.step():
-            if out.finished:
-                done[out.prompt] = list(out.outputs[0].token_ids)
+    done, _, paused = pause_and_resume(llm, sizing, PROMPTS, params, 3, 8, paying,
+                                       fixed_step_costs(per_token_ms=0.05, draft_ms=100.0))
     assert done == {p: t[:tokens] for p, t in baseline.items()}
     chosen = sizing.stats()
-    assert paused is not None and paused["paused_steps"] >= 3, paused
+    assert paused["paused_steps"] >= 3, paused
     assert chosen["steps"] > paused["steps"] and chosen["realized"] > paused["realized"]
     assert 0 < chosen["min_nodes"] < chosen["max_nodes"], chosen
     assert chosen["paths_off_the_greedy_chain"] > 0, chosen

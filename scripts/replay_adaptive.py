@@ -283,15 +283,19 @@ def record_main(args: argparse.Namespace) -> int:
     import torch
     from vllm import SamplingParams
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from engine_helpers import fixed_step_costs, use_step_costs
-
     spec = {"method": "ddtree", "model": str(args.pair / args.drafter),
             "tree_budget": args.cap, "enable_adaptive_verification": True}
     if args.drafter == "jetspec-drafter":
         spec["tree_build"] = "jetspec"
     llm = tiny_engine(args.pair, spec, args.concurrency)
-    sizing = use_step_costs(runner_of(llm), fixed_step_costs(0.0, 0.01))
+    sizing = runner_of(llm).adaptive_verification
+    flat = StepCosts()  # a node costs nothing: every drafted node is verified
+    for n in (1, 1 << 16):
+        flat.verify.add(n, 5.0, trusted=True)
+        flat.draft.add(n, 0.01, trusted=True)
+        flat.paused_draft.add(n, 0.01, trusted=True)
+    flat.rest_ms = {True: 0.0, False: 0.0}
+    sizing.state["profiled"], sizing.timer.learn, sizing.timer.costs = True, False, flat
     scores_rows, path_rows = [], []
     observe = sizing.observe
 

@@ -110,3 +110,19 @@ def test_measured_curves_replay(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = (tmp_path / "replay-trace-tiny-pair-cpu.md").read_text()
     assert "`cpu.json`" in table and "| adaptive, cap 256 |" in table
+
+
+@pytest.mark.slow
+def test_record_writes_whole_trees_with_the_targets_verdicts(tmp_path: Path) -> None:
+    """``record`` on two prompts: every row a whole tree (every drafted node verified),
+    read back as a trace whose accepted nodes are drafted ones and form a path."""
+    out = tmp_path / "trace.npz"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "replay_adaptive.py"),
+                           "record", "--out", str(out), "--num-prompts", "2",
+                           "--max-tokens", "12", "--concurrency", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = replay.Trace.load(out)
+    assert len(trace.scores) >= 4 and trace.scores.shape[1] == CAP
+    assert not (trace.accepted & ~np.isfinite(trace.scores)).any()
+    assert trace.accepted.any() and trace.accepted.sum(axis=1).max() <= 7

@@ -124,12 +124,16 @@ class StepTimers:
             setattr(owner, attr, inner)
 
 
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+
+
 def install_timers(llm, timers: StepTimers) -> None:
     import vllm_ddtree.ops
     from vllm_ddtree.spec_decode.verifier import TreeVerifier
 
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
-        .model_runner
+    runner = runner_of(llm)
     # The target model's forward (eager: no graph to time at its call site), the
     # speculator's drafting and the verifier in the rejection sampler's place.
     timers.wrap(runner.model, "forward", "verify forward")
@@ -252,6 +256,10 @@ class ModeRun:
         after = counters(llm)
 
         tokens = sum(len(o) for o in outputs)
+        # Adaptive trees: what the sizing chose over every pass (steps, pauses, probes,
+        # nodes, expected and realized accepted drafts) and the costs it chose by.
+        sizing = getattr(runner_of(llm), "adaptive_verification", None)
+        adaptive = sizing.stats() if hasattr(sizing, "stats") else None
         d = {k: _minus(after.get(k, 0), before.get(k, 0)) for k in after}
         drafts = d.get("spec_decode_num_drafts", 0)
         per_pos = d.get("spec_decode_num_accepted_tokens_per_pos", [])
@@ -275,6 +283,7 @@ class ModeRun:
             "breakdown_ms_per_forward": {k: 1e3 * v / max(1, forwards)
                                          for k, v in timers.total.items()},
             "breakdown_pass_wall_s": wall, "outputs": outputs,
+            **({"adaptive": adaptive} if adaptive is not None else {}),
         }
 
     def close(self) -> None:
@@ -445,8 +454,10 @@ def plots(results: list[dict], budgets: list[int], out: Path) -> None:
         fig.savefig(out / f"acceptance_vs_budget_c{conc}.png", dpi=120)
         plt.close(fig)
 
-        fig, ax = plt.subplots(figsize=(6, 4))
         shown = [m for m in ["dflash"] + [f"ddtree B={b} spine" for b in budgets] if m in rs]
+        if not shown:  # no chain or fixed tree ran (adaptive modes alone): no histogram
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
         width = 0.8 / len(shown)
         for i, mode in enumerate(shown):
             h = rs[mode]["accepted_length_histogram"]

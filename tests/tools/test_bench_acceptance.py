@@ -61,6 +61,21 @@ def test_bench_acceptance_side_by_side(tiny_models: Path, tmp_path: Path) -> Non
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+def test_adaptive_modes_report_what_the_sizing_chose(tiny_models: Path,
+                                                     tmp_path: Path) -> None:
+    """--adaptive: the adaptive mode's row carries the sizing's counters and the costs it
+    chose by; greedy output as no speculation's."""
+    _, data = bench(tiny_models, tmp_path, "--adaptive", "16", "--repeats", "1", "--modes",
+                    "none", "ddtree adaptive, cap 16")
+    assert data["identical_greedy_outputs"] is True
+    results = {r["mode"]: r for r in data["results"]}
+    assert "adaptive" not in results["none"]
+    chosen = results["ddtree adaptive, cap 16"]["adaptive"]
+    assert chosen["steps"] + chosen["paused_steps"] > 0, chosen
+    assert chosen["costs"]["verify_ms_by_tokens"], chosen
+
+
 def test_step_token_schedule_keeps_verify_steps_near_the_target() -> None:
     from bench_acceptance import step_token_schedule
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup

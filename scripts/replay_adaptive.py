@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,12 +38,16 @@ sys.path.insert(0, str(REPO))  # vllm_ddtree from the checkout, as the tests imp
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the runner in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from bench_acceptance import runner_of  # noqa: E402
+
 from vllm_ddtree.spec_decode.adaptive.calibration import AcceptanceCalibration  # noqa: E402
 from vllm_ddtree.spec_decode.adaptive.costs import StepCosts  # noqa: E402
 from vllm_ddtree.spec_decode.adaptive.sizing import (  # noqa: E402
-    PROBE_AFTER,
     after_choice,
     choose_nodes,
+    drafter_state,
+    drafts_width,
+    node_acceptance,
     probes_now,
 )
 
@@ -51,6 +56,8 @@ FIXED_BUDGETS = (4, 16, 64, 256)
 # have their tokens, so every mode does the same work (a mode that commits more tokens a
 # step leaves a busy phase sooner). The mixed load comes and goes as a server's does.
 TOKENS_PER_REQUEST = 400
+MAX_NUM_BATCHED_TOKENS = 8192  # the recorded engine's (a request's drafts fit half a step)
+ROW_STRIDE = 64  # a step's rows start this far past the last step's: the trace's spread
 MIXED = ((1, 400), (32, 6400), (8, 1600), (1, 400), (32, 6400))
 
 # H200, Qwen3-8B target (bf16) with z-lab/Qwen3-8B-DFlash-b16, a model of the step from
@@ -111,7 +118,7 @@ class Trace:
 
     def rows(self, step: int, count: int) -> np.ndarray:
         """The rows a step of ``count`` requests verifies (the same for every mode)."""
-        return (step * 64 + np.arange(count)) % len(self.scores)
+        return (step * ROW_STRIDE + np.arange(count)) % len(self.scores)
 
 
 @dataclass
@@ -129,87 +136,85 @@ class Replayed:
         return 1e3 * self.tokens / self.ms
 
 
-def steps(phases: tuple[tuple[int, int], ...], produced: list[float]):
-    """(step, concurrency) until each phase has its tokens; ``produced`` holds the
-    tokens committed so far (its last item, updated by the caller after each step)."""
-    step = 0
+Step = Callable[[int, int, Replayed], None]
+
+
+def run_load(phases: tuple[tuple[int, int], ...], step: Step) -> Replayed:
+    """Steps (``step(n, concurrency, out)``, which adds its tokens and time to ``out``)
+    until each phase has its tokens."""
+    out, n = Replayed(), 0
     for concurrency, tokens in phases:
-        goal = produced[-1] + tokens
-        while produced[-1] < goal:
-            yield step, concurrency
-            step += 1
+        goal = out.tokens + tokens
+        while out.tokens < goal:
+            step(n, concurrency, out)
+            out.steps, n = out.steps + 1, n + 1
+    return out
 
 
 def replay_fixed(trace: Trace, costs: StepCosts, phases: tuple[tuple[int, int], ...],
                  budget: int | None) -> Replayed:
     """A fixed budget (None: no speculation, no drafter)."""
-    out, produced = Replayed(), [0.0]
     kept = np.cumsum(trace.accepted, axis=1)
-    for step, c in steps(phases, produced):
-        out.steps += 1
+
+    def step(n: int, c: int, out: Replayed) -> None:
         if budget is None:
             out.tokens += c
             out.ms += float(costs.verify.at(np.array([c]))[0]) + (costs.rest_ms[False] or 0)
-        else:
-            b = min(budget, trace.scores.shape[1])
-            accepted = float(kept[trace.rows(step, c), b - 1].sum())
-            out.tokens += c + accepted
-            out.realized += accepted
-            out.nodes += c * b
-            out.ms += float(costs.step_ms(np.array([c + c * b]), c, drafting=True)[0])
-        produced[-1] = out.tokens
-    return out
+            return
+        b = min(budget, trace.scores.shape[1])
+        accepted = float(kept[trace.rows(n, c), b - 1].sum())
+        out.tokens += c + accepted
+        out.realized += accepted
+        out.nodes += c * b
+        out.ms += float(costs.step_ms(np.array([c + c * b]), c, drafting=True)[0])
+
+    return run_load(phases, step)
 
 
 def replay_adaptive(trace: Trace, costs: StepCosts, phases: tuple[tuple[int, int], ...],
                     cap: int, sizes: list[int] | None = None) -> Replayed:
-    """Adaptive trees as the engine sizes them: calibrated online from the verified nodes'
-    verdicts, paused when not drafting pays more, probing as the engine does (``probes_now``:
-    a probe's drafts are 8 wide and at most a node a request is verified; drafting resumes
-    by RESUME_MARGIN); each step's node count goes to ``sizes``."""
+    """Adaptive trees as the engine sizes them (sizing.py's functions): calibrated online
+    from the verified nodes' verdicts, scheduled as drafts_width allows, paused when not
+    drafting pays more, probing as probes_now says (a probe verifies at most a node a
+    request; drafting resumes by RESUME_MARGIN); each step's node count goes to
+    ``sizes``."""
     import torch
 
     calibration = AcceptanceCalibration(torch.device("cpu"))
-    state = {"drafting": True, "probe": False, "widest": cap, "probe_in": 0,
-             "wait": PROBE_AFTER[0], "run": 0, "paused_reqs": 0}
+    state = drafter_state(cap)
     kept = np.cumsum(trace.accepted, axis=1)
-    out, produced = Replayed(), [0.0]
-    for step, c in steps(phases, produced):
-        out.steps += 1
+
+    def step(n: int, c: int, out: Replayed) -> None:
+        total = 0
         if not state["drafting"]:  # no trees this step: the drafter paused at the last end
             state["probe"] = False
             probes_now(state, c)
             out.paused += 1
             out.tokens += c
             out.ms += float(costs.step_ms(np.array([c]), c, drafting=state["drafting"])[0])
-            produced[-1] = out.tokens
-            if sizes is not None:
-                sizes.append(0)
-            continue
-        rows = trace.rows(step, c)
-        width = min(cap, max(2 * state["widest"], 8))
-        scores = trace.scores[rows, :cap]
-        eligible = np.arange(cap)[None, :] < width
-        acceptance = np.where(eligible & np.isfinite(scores),
-                              calibration.probabilities(scores), 0.0)
-        choice = choose_nodes(acceptance, c, c, costs, explore=state["probe"])
-        after_choice(state, choice)
-        state["probe"] = False
-        nodes = choice.nodes
-        accepted = float(sum(kept[r, n - 1] for r, n in zip(rows, nodes) if n > 0))
-        verified = np.arange(cap)[None, :] < nodes[:, None]
-        calibration.observe(torch.from_numpy(scores), torch.from_numpy(verified),
-                            torch.from_numpy(trace.accepted[rows, :cap]))
-        out.tokens += c + accepted
-        out.nodes += int(nodes.sum())
-        out.predicted += choice.predicted
-        out.realized += accepted
-        out.ms += float(costs.step_ms(np.array([c + int(nodes.sum())]), c,
-                                      drafting=choice.drafting)[0])
-        produced[-1] = out.tokens
+        else:
+            rows = trace.rows(n, c)
+            scores = trace.scores[rows, :cap]
+            width = drafts_width(state["widest"], cap, MAX_NUM_BATCHED_TOKENS // (2 * c))
+            acceptance = node_acceptance(calibration, scores, np.full(c, width))
+            choice = choose_nodes(acceptance, c, c, costs, explore=state["probe"])
+            after_choice(state, choice)
+            state["probe"] = False
+            total = int(choice.nodes.sum())
+            accepted = float(sum(kept[r, k - 1] for r, k in zip(rows, choice.nodes) if k))
+            verified = np.arange(cap)[None, :] < choice.nodes[:, None]
+            calibration.observe(torch.from_numpy(scores), torch.from_numpy(verified),
+                                torch.from_numpy(trace.accepted[rows, :cap]))
+            out.tokens += c + accepted
+            out.nodes += total
+            out.predicted += choice.predicted
+            out.realized += accepted
+            out.ms += float(costs.step_ms(np.array([c + total]), c,
+                                          drafting=choice.drafting)[0])
         if sizes is not None:
-            sizes.append(int(nodes.sum()))
-    return out
+            sizes.append(total)
+
+    return run_load(phases, step)
 
 
 def compare(trace: Trace, costs: StepCosts, phases: tuple[tuple[int, int], ...],
@@ -268,13 +273,9 @@ def tiny_engine(pair: Path, spec: dict, concurrency: int):
     from vllm import LLM
 
     return LLM(model=str(pair / "target"), dtype="float32", enforce_eager=True, seed=0,
-               max_model_len=1024, max_num_seqs=concurrency, max_num_batched_tokens=8192,
+               max_model_len=1024, max_num_seqs=concurrency,
+               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                speculative_config=spec)
-
-
-def runner_of(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
-        .model_runner
 
 
 def record_main(args: argparse.Namespace) -> int:
@@ -327,7 +328,6 @@ def measure_main(args: argparse.Namespace) -> int:
     from vllm import SamplingParams
 
     if args.shape:
-        sys.path.insert(0, str(REPO / "scripts"))
         import bench_gpu_throughput as gpu
         from vllm import LLM
 
@@ -341,7 +341,7 @@ def measure_main(args: argparse.Namespace) -> int:
         llm = LLM(**gpu.engine_kwargs(
             {"model": str(target), "load_format": "dummy", "dtype": "bfloat16", "seed": 0,
              "speculative_config": spec, "max_num_seqs": args.concurrency,
-             "max_num_batched_tokens": 8192, "max_model_len": 2048,
+             "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "max_model_len": 2048,
              "gpu_memory_utilization": 0.6}, stand_in[0] if stand_in else {}))
         prompts = gpu.prompts(target, args.concurrency, 128)
     else:

@@ -138,7 +138,8 @@ def test_verify_steps_replay_full_graphs_for_1_to_32_requests(graph_manager, bud
 
 
 @pytest.mark.parametrize("budget", [16, 64])
-def test_adaptive_verify_steps_replay_varlen_full_graphs(graph_manager, budget: int) -> None:
+def test_adaptive_verify_steps_replay_varlen_full_graphs(graph_manager, monkeypatch,
+                                                        budget: int) -> None:
     """Adaptive trees verify a prefix of each request's tree: the runner's manager is
     vLLM's varlen one (patch 0013's seat), and with TREE_ATTN's declared bound every decode
     batch of 1..tree_budget + 1 tokens a request, in any mix, replays a FULL graph. The
@@ -183,12 +184,8 @@ def test_adaptive_verify_steps_replay_varlen_full_graphs(graph_manager, budget: 
     runner = runner_with(TreeAttentionMetadataBuilder)
     # Without piecewise capture (no compiled submodule), vLLM's resolution for its own
     # adaptive verification: FULL decode graphs only.
-    orig = model_runner.has_compiled_submodule
-    model_runner.has_compiled_submodule = lambda model: False
-    try:
-        use_varlen_graphs(runner, {"draft.attn"})
-    finally:
-        model_runner.has_compiled_submodule = orig
+    monkeypatch.setattr(model_runner, "has_compiled_submodule", lambda model: False)
+    use_varlen_graphs(runner, {"draft.attn"})
     assert runner.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
 
     manager = graph_manager(config, TreeAttentionMetadataBuilder, varlen_decode=True)

@@ -60,12 +60,8 @@ class CostCurve:
         is dropped."""
         key = self.bucket(size)
         old = self.points.get(key)
-        if not trusted and self.points and (
-                ms > OUTLIER * float(self.at(np.array([size]))[0]) if old is None
-                else self.counts[key] >= 3 and ms > OUTLIER * old):
-            # An idle gap or a one-off (a compile): not the step's cost. A new bucket's
-            # first sample is judged against the curve there.
-            return
+        if not trusted and self._outlier(key, size, ms):
+            return  # an idle gap or a one-off (a compile): not the step's cost
         self._fit = None
         if old is None or trusted:
             self.points[key], self.counts[key] = ms, 0
@@ -73,6 +69,12 @@ class CostCurve:
         served = self.counts[key]
         self.points[key] = old + max(SMOOTHING, 1 / (served + 2)) * (ms - old)
         self.counts[key] = served + 1
+
+    def _outlier(self, key: int, size: int, ms: float) -> bool:
+        old = self.points.get(key)
+        if old is None:  # a new bucket's first sample: judged against the curve there
+            return bool(self.points) and ms > OUTLIER * float(self.at(np.array([size]))[0])
+        return self.counts[key] >= 3 and ms > OUTLIER * old
 
     def __bool__(self) -> bool:
         return bool(self.points)

@@ -78,6 +78,28 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
     return Choice(nodes, drafting, float(gains[best] - num_sampling))
 
 
+def drafter_state(budget: int) -> dict[str, Any]:
+    """The drafter's state that the choices move (after_choice, probes_now): drafting or
+    paused, probing, the most nodes a request verified last, while paused the steps until a
+    probe, the next pause's wait and the requests it paused with; drafting, the steps it
+    has drafted in a row."""
+    return {"drafting": True, "probe": False, "widest": budget, "probe_in": 0,
+            "wait": PROBE_AFTER[0], "run": 0, "paused_reqs": 0}
+
+
+def drafts_width(widest: int, width: int, share: int) -> int:
+    """Drafts a request is scheduled while drafting: room to grow past the widest tree
+    verified last (at least 8), within ``width`` and a request's ``share`` of the step."""
+    return max(min(width, 2 * widest, share - 1), min(width, 8))
+
+
+def node_acceptance(calibration: AcceptanceCalibration, logprobs: np.ndarray,
+                    scheduled: np.ndarray) -> np.ndarray:
+    """Each request's nodes' calibrated acceptance, 0 past the drafts it was scheduled."""
+    eligible = np.arange(logprobs.shape[1])[None, :] < scheduled[:, None]
+    return np.where(eligible, calibration.probabilities(logprobs), 0.0)
+
+
 def after_choice(state: dict[str, Any], choice: Choice) -> None:
     """The drafter's state after a step's choice: drafting, or paused until a probe. Each
     pause waits twice as long as the one before (to PROBE_AFTER's cap); drafting
@@ -160,13 +182,9 @@ class AdaptiveTreeSizing:
         self.realized = HostCopy(self._realized)
         self._batch: tuple[list[str], np.ndarray] | None = None
         self._predicted: float | None = None  # a drafting step's predicted period, ms
-        # The drafter: whether it drafts at this step's end, whether the drafts it made
-        # last are fresh, the most nodes a request verified last, and while paused the
-        # steps until a probe and the wait after the next one; drafting, the steps it has
-        # drafted in a row.
-        self.state = {"drafting": True, "drafted": True, "widest": budget,
-                      "profiled": False, "probe": False, "probe_in": 0,
-                      "wait": PROBE_AFTER[0], "run": 0, "paused_reqs": 0}
+        # The drafter (drafter_state), and whether the drafts it made last are fresh and
+        # the start-up profile is done.
+        self.state = drafter_state(budget) | {"drafted": True, "profiled": False}
         self.counters = {"steps": 0, "paused_steps": 0, "nodes": 0, "min_nodes": None,
                          "max_nodes": 0, "predicted": 0.0, "probes": 0}
         self._logged = time.monotonic()
@@ -225,9 +243,8 @@ class AdaptiveTreeSizing:
             return Choice(scheduled.copy(), True, 0.0)
         if not state["drafted"]:  # drafts the drafter did not make this time: stale
             return Choice(np.zeros_like(scheduled), False, 0.0)
-        logprobs = self.scores.latest()[slots]
-        eligible = np.arange(logprobs.shape[1])[None, :] < scheduled[:, None]
-        acceptance = np.where(eligible, self.calibration.probabilities(logprobs), 0.0)
+        acceptance = node_acceptance(self.calibration, self.scores.latest()[slots],
+                                     scheduled)
         choice = choose_nodes(acceptance, num_sampling, num_non_draft, costs,
                               explore=state["probe"])
         after_choice(state, choice)
@@ -287,7 +304,7 @@ class AdaptiveTreeSizing:
         if not self.state["drafted"]:
             return 0
         share = self.runner.max_num_tokens // (2 * max(self.state.get("requests", 1), 1))
-        return max(min(width, 2 * self.state["widest"], share - 1), min(width, 8))
+        return drafts_width(self.state["widest"], width, share)
 
     def record_confidences(self, confidence_probs: Any, input_batch: Any) -> None:
         """After the drafter (the name is vLLM's): its scores and the calibration go to the

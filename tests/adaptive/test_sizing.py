@@ -15,6 +15,8 @@ from vllm_ddtree.spec_decode.adaptive.calibration import (
 )
 from vllm_ddtree.spec_decode.adaptive.costs import CostCurve, StepCosts, StepTimer
 from vllm_ddtree.spec_decode.adaptive.sizing import (
+    MAX_PROBE_WAIT,
+    PROBE_SHARE,
     Choice,
     after_choice,
     choose_nodes,
@@ -126,6 +128,32 @@ def test_pauses_back_off_until_drafting_lasts() -> None:
         after_choice(state, drafting)
     after_choice(state, paused)
     assert state["probe_in"] == 4
+
+
+def test_probes_take_at_most_their_share_of_a_pause() -> None:
+    """A pause where drafting clearly loses waits at least the steps that keep a probe (a
+    drafting step verifying a node a request) within PROBE_SHARE of the pause's time: 75
+    when a probe step costs 2.5 paused ones, as a CPU's at 32 requests; the back-off alone
+    where probes are cheap or the call was close; never past MAX_PROBE_WAIT."""
+    acceptance = np.full((32, 8), 0.01)
+    # Paused: verify(32) 2 ms; probing: verify(64) 2 ms + the drafter's 3 ms.
+    dear = costs_of({32: 2.0, 64: 2.0}, {32: 3.0}, {32: 0.0})
+    choice = choose_nodes(acceptance, 32, 32, dear)
+    assert not choice.drafting
+    assert choice.probe_wait == pytest.approx(1.5 / PROBE_SHARE, abs=1)
+    state = {"drafting": True, "wait": 4, "run": 0, "probe_in": 0, "widest": 8}
+    after_choice(state, choice)
+    assert state["probe_in"] == choice.probe_wait and state["wait"] == 8
+    cheap = costs_of({32: 2.0, 64: 2.0}, {32: 0.01}, {32: 0.0})
+    assert choose_nodes(np.zeros((32, 8)), 32, 32, cheap).probe_wait <= 1
+    after_choice(state, choose_nodes(np.zeros((32, 8)), 32, 32, cheap))
+    assert state["probe_in"] == 8  # the back-off's
+    ruinous = costs_of({32: 2.0, 64: 2.0}, {32: 1e6}, {32: 0.0})
+    assert choose_nodes(acceptance, 32, 32, ruinous).probe_wait == MAX_PROBE_WAIT
+    assert choose_nodes(np.full((32, 8), 0.9), 32, 32, cheap).probe_wait == 0  # drafting
+    # A close call (drafting within RESUME_MARGIN of pausing) waits as the back-off says.
+    close = choose_nodes(np.full((32, 8), 0.17), 32, 32, dear)  # 15.1 tokens/ms vs 16
+    assert not close.drafting and close.probe_wait == 0
 
 
 def test_a_paused_drafter_probes_when_its_wait_ends_or_the_batch_halves() -> None:

@@ -19,13 +19,15 @@ When not drafting at all beats the best ``k`` (the drafter's cost saved too), th
 verifies nothing and the drafter pauses: it still stores the committed tokens' context
 (``DDTreeSpeculator._store_context``), so its context is right when it drafts again; the
 scheduler is told to schedule no drafts (``drafts_to_schedule``); and it probes (drafts one
-tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused steps,
+tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused steps, and
+never so often that probes take more than PROBE_SHARE of the paused time by the curves,
 the back-off restarting only after 8 drafting steps in a row, or at once when the batch
 has shrunk to half the requests it paused with.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,10 @@ from vllm_ddtree.spec_decode.adaptive.host_copy import HostCopy
 
 PROBE_AFTER = (4, 64)  # paused steps before the first probe, and at most
 DRAFTED_TO_RESET = 8  # drafting steps in a row after which the probes' back-off restarts
+# The most of a pause's time its probes take, by the curves: a probe step over a paused one
+# sets the least wait (a CPU's probe at 32 requests costs about 2.5 paused steps: 75).
+PROBE_SHARE = 0.02
+MAX_PROBE_WAIT = 1024  # paused steps: a cost estimate gone wrong must not end probing
 PROBE_WIDTH = 8  # the widest tree a probe verifies, as drafts_to_schedule reads it
 # How much faster drafting must look than pausing for a probe to resume it: the estimates
 # are noisy (a CPU's step times vary by 10% and more), and a resumption that does not pay
@@ -52,6 +58,7 @@ class Choice:
     nodes: np.ndarray  # [R] nodes each request verifies
     drafting: bool  # whether the drafter drafts trees for the next step
     predicted: float  # expected accepted drafts
+    probe_wait: int = 0  # paused, the fewest steps before a probe (PROBE_SHARE)
 
 
 def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
@@ -61,7 +68,10 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
     ``explore`` (a probe's drafts) the best count of 1 to R nodes is verified even when
     pausing wins, so that the calibration learns from the target what a paused drafter
     would never see, at about the cost of a chain step; drafting resumes only when it
-    beats pausing by ``RESUME_MARGIN``."""
+    beats pausing by ``RESUME_MARGIN``. Paused, where drafting loses by more than that
+    margin, the choice carries the fewest paused steps that keep a probe (drafting,
+    verifying a node a request) within PROBE_SHARE of the pause's time; a close call is
+    probed again as the back-off says."""
     num_reqs, width = acceptance.shape
     flat = acceptance.ravel()
     order = np.argsort(-flat, kind="stable")  # ties keep node order: prefixes
@@ -70,12 +80,17 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
     counts = num_non_draft + np.arange(len(gains))
     rate = gains / costs.step_ms(counts, num_reqs, drafting=True)
     best = int(np.argmax(rate))
-    paused = num_sampling / costs.step_ms(counts[:1], num_reqs, drafting=False)[0]
+    paused_ms = costs.step_ms(counts[:1], num_reqs, drafting=False)[0]
+    paused = num_sampling / paused_ms
     drafting = best > 0 and rate[best] > paused * (1 + RESUME_MARGIN * explore)
     if not drafting:
         best = 1 + int(np.argmax(rate[1:num_reqs + 1])) if explore and len(rate) > 1 else 0
     nodes = np.bincount(order[:best] // width, minlength=num_reqs).astype(np.int32)
-    return Choice(nodes, drafting, float(gains[best] - num_sampling))
+    wait = 0
+    if not drafting and rate.max() * (1 + RESUME_MARGIN) < paused:
+        probe = costs.step_ms(counts[:1] + num_reqs, num_reqs, drafting=True)[0]
+        wait = min(math.ceil(max(probe / paused_ms - 1, 0.0) / PROBE_SHARE), MAX_PROBE_WAIT)
+    return Choice(nodes, drafting, float(gains[best] - num_sampling), wait)
 
 
 def drafter_state(budget: int) -> dict[str, Any]:
@@ -102,16 +117,16 @@ def node_acceptance(calibration: AcceptanceCalibration, logprobs: np.ndarray,
 
 def after_choice(state: dict[str, Any], choice: Choice) -> None:
     """The drafter's state after a step's choice: drafting, or paused until a probe. Each
-    pause waits twice as long as the one before (to PROBE_AFTER's cap); drafting
-    DRAFTED_TO_RESET steps in a row restarts the back-off (a resumption that soon pauses
-    again keeps it)."""
+    pause waits twice as long as the one before (to PROBE_AFTER's cap), and at least the
+    choice's ``probe_wait``; drafting DRAFTED_TO_RESET steps in a row restarts the
+    back-off (a resumption that soon pauses again keeps it)."""
     if choice.drafting:
         run = state["run"] + 1
         state.update(drafting=True, run=run, widest=int(choice.nodes.max(initial=0)))
         if run >= DRAFTED_TO_RESET:
             state["wait"] = PROBE_AFTER[0]
     else:
-        state.update(drafting=False, probe_in=state["wait"], run=0,
+        state.update(drafting=False, probe_in=max(state["wait"], choice.probe_wait), run=0,
                      wait=min(2 * state["wait"], PROBE_AFTER[1]),
                      paused_reqs=len(choice.nodes))
 

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""What a speculative engine costs when it drafts nothing: the floor under adaptive trees.
+
+Where no draft pays (this CPU at concurrency 8 and 32), adaptive trees pause the drafter,
+and their tokens/s can at best be that of a paused step. This measures it, beside no
+speculation, in one run (engines held at once, passes interleaved, tokens/s the median):
+
+- ``ddtree adaptive, held paused``: adaptive trees (cap 256) whose costs price the drafter
+  out (1e5 ms a draft step, learning off), so every step after the first is paused and
+  probes come at most every MAX_PROBE_WAIT steps: the paused step's own cost (storing the
+  drafter's context, the sizing, TREE_ATTN's dispatch, vLLM's speculative bookkeeping);
+- ``dflash, drafting nothing``: vLLM's own DFlash with ``num_speculative_tokens_per_batch_size``
+  giving 0 drafts at every batch size: what vLLM's speculative path costs when idle.
+
+Synthetic costs for the held-paused mode (said on its row); the outputs are real and must
+equal no speculation's (greedy). Writes OUT/paused-floor.md and .json.
+
+  scripts/bench_paused_floor.py --concurrency 1 8 32 --repeats 5 \\
+      --out docs/bench-acceptance-cpu/paused-floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_acceptance import runner_of  # noqa: E402  (also sets the CPU's environment)
+
+HELD_PAUSED = "ddtree adaptive, held paused"
+VLLM_IDLE = "dflash, drafting nothing"
+
+
+def price_out_the_drafter(llm) -> None:  # noqa: ANN001
+    """Adaptive trees whose drafter costs 1e5 ms a step: no draft ever pays."""
+    from vllm_ddtree.spec_decode.adaptive.costs import StepCosts
+
+    costs = StepCosts()
+    for n in (1, 1 << 16):
+        costs.verify.add(n, 1.0, trusted=True)
+        costs.draft.add(n, 1e5, trusted=True)
+        costs.paused_draft.add(n, 0.01, trusted=True)
+    costs.rest_ms = {True: 0.0, False: 0.0}
+    sizing = runner_of(llm).adaptive_verification
+    sizing.state["profiled"], sizing.timer.learn, sizing.timer.costs = True, False, costs
+
+
+def native_cpu_attention() -> None:
+    """vLLM's own CPU_ATTN for the engines without trees: a ddtree engine's start in this
+    process (an earlier concurrency's) made CPU_ATTN TREE_ATTN's CPU implementation."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    _cached_get_attn_backend.cache_clear()
+
+
+def engines(args: argparse.Namespace, concurrency: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    native_cpu_attention()
+
+    drafter = str(args.pair / "drafter")
+    specs = {"none": None,  # first: a tree engine's start makes later engines TREE_ATTN's
+             VLLM_IDLE: {"method": "dflash", "model": drafter, "num_speculative_tokens": 15,
+                         "num_speculative_tokens_per_batch_size": [[1, concurrency, 0]]},
+             HELD_PAUSED: {"method": "ddtree", "model": drafter, "tree_budget": 256,
+                           "enable_adaptive_verification": True}}
+    out = {}
+    for name, spec in specs.items():
+        llm = LLM(model=str(args.pair / "target"), dtype="float32", enforce_eager=True,
+                  seed=0, max_model_len=1024, max_num_seqs=concurrency,
+                  speculative_config=spec)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, SamplingParams(max_tokens=4),
+                     use_tqdm=False)  # warm-up (and the sizing's first step)
+        if name == HELD_PAUSED:
+            price_out_the_drafter(llm)
+        out[name] = llm
+    return out
+
+
+def run(args: argparse.Namespace, concurrency: int, prompts: list) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llms = engines(args, concurrency)
+    rates: dict[str, list[float]] = {name: [] for name in llms}
+    outputs: dict[str, list] = {}
+    for i in range(args.repeats + 1):  # a first untimed pass each
+        for name, llm in llms.items():
+            t0 = time.perf_counter()
+            res = llm.generate(requests, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            outputs[name] = [list(r.outputs[0].token_ids) for r in res]
+            if i:
+                rates[name].append(sum(len(o) for o in outputs[name]) / dt)
+    stats = runner_of(llms[HELD_PAUSED]).adaptive_verification.stats()
+    none = statistics.median(rates["none"])
+    rows = [{"mode": name, "concurrency": concurrency,
+             "tokens_per_s": statistics.median(r), "tokens_per_s_runs": r,
+             "x_none": statistics.median(r) / none,
+             "same_output": outputs[name] == outputs["none"]} for name, r in rates.items()]
+    rows[-1]["adaptive"] = {k: stats[k] for k in ("steps", "paused_steps", "probes")}
+    del llms
+    gc.collect()
+    return rows
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = [f"`{command}`", "",
+             "| mode | conc. | tok/s | x none | paused steps (probes) | greedy output |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r.get("adaptive")
+        paused = f"{a['paused_steps']} ({a['probes']})" if a else "-"
+        mode = r["mode"] + (" (synthetic costs: the drafter priced out)" if a else "")
+        lines.append(f"| {mode} | {r['concurrency']} | {r['tokens_per_s']:,.1f} | "
+                     f"{r['x_none']:.3f}x | {paused} | "
+                     f"{'same as none' if r['same_output'] else 'DIFFERS'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", type=Path, default=REPO / "models" / "tiny-pair")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompts", type=Path, help="token-id lists; default "
+                   "PAIR/heldout_prompts.json")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    source = args.prompts or args.pair / "heldout_prompts.json"
+    prompts = json.loads(source.read_text())[:args.num_prompts]
+    rows = [row for c in args.concurrency for row in run(args, c, prompts)]
+    command = "scripts/bench_paused_floor.py " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:])
+    text = markdown(rows, command)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "paused-floor.md").write_text(f"# The paused floor\n\n{text}")
+        (args.out / "paused-floor.json").write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["same_output"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -132,7 +132,7 @@ def test_pauses_back_off_until_drafting_lasts() -> None:
 
 def test_probes_take_at_most_their_share_of_a_pause() -> None:
     """A pause where drafting clearly loses waits at least the steps that keep a probe (a
-    drafting step verifying a node a request) within PROBE_SHARE of the pause's time: 75
+    drafting step verifying a node a request) within PROBE_SHARE of the pause's time: 150
     when a probe step costs 2.5 paused ones, as a CPU's at 32 requests; the back-off alone
     where probes are cheap or the call was close; never past MAX_PROBE_WAIT."""
     acceptance = np.full((32, 8), 0.01)

@@ -42,8 +42,8 @@ from vllm_ddtree.spec_decode.adaptive.host_copy import HostCopy
 PROBE_AFTER = (4, 64)  # paused steps before the first probe, and at most
 DRAFTED_TO_RESET = 8  # drafting steps in a row after which the probes' back-off restarts
 # The most of a pause's time its probes take, by the curves: a probe step over a paused one
-# sets the least wait (a CPU's probe at 32 requests costs about 2.5 paused steps: 75).
-PROBE_SHARE = 0.02
+# sets the least wait (a CPU's probe at 32 requests costs about 2.5 paused steps: 150).
+PROBE_SHARE = 0.01
 MAX_PROBE_WAIT = 1024  # paused steps: a cost estimate gone wrong must not end probing
 PROBE_WIDTH = 8  # the widest tree a probe verifies, as drafts_to_schedule reads it
 # How much faster drafting must look than pausing for a probe to resume it: the estimates

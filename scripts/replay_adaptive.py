@@ -48,6 +48,7 @@ from vllm_ddtree.spec_decode.adaptive.sizing import (  # noqa: E402
     drafter_state,
     drafts_width,
     node_acceptance,
+    probe_wait,
     probes_now,
 )
 
@@ -188,7 +189,7 @@ def replay_adaptive(trace: Trace, costs: StepCosts, phases: tuple[tuple[int, int
         total = 0
         if not state["drafting"]:  # no trees this step: the drafter paused at the last end
             state["probe"] = False
-            probes_now(state, c)
+            probes_now(state, c, lambda: probe_wait(costs, c, c))
             out.paused += 1
             out.tokens += c
             out.ms += float(costs.step_ms(np.array([c]), c, drafting=state["drafting"])[0])

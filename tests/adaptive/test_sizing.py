@@ -20,6 +20,8 @@ from vllm_ddtree.spec_decode.adaptive.sizing import (
     Choice,
     after_choice,
     choose_nodes,
+    drafter_state,
+    probe_wait,
     probes_now,
 )
 
@@ -131,29 +133,45 @@ def test_pauses_back_off_until_drafting_lasts() -> None:
 
 
 def test_probes_take_at_most_their_share_of_a_pause() -> None:
-    """A pause where drafting clearly loses waits at least the steps that keep a probe (a
-    drafting step verifying a node a request) within PROBE_SHARE of the pause's time: 150
-    when a probe step costs 2.5 paused ones, as a CPU's at 32 requests; the back-off alone
-    where probes are cheap or the call was close; never past MAX_PROBE_WAIT."""
-    acceptance = np.full((32, 8), 0.01)
+    """probe_wait: the paused steps that keep a probe (a drafting step verifying a node a
+    request) within PROBE_SHARE of the pause's time: 150 when a probe step costs 2.5 paused
+    ones, as a CPU's at 32 requests; about none where probes are cheap; never past
+    MAX_PROBE_WAIT. Only a pause where drafting lost clearly waits for it (a close call,
+    within RESUME_MARGIN, keeps the back-off alone)."""
     # Paused: verify(32) 2 ms; probing: verify(64) 2 ms + the drafter's 3 ms.
     dear = costs_of({32: 2.0, 64: 2.0}, {32: 3.0}, {32: 0.0})
-    choice = choose_nodes(acceptance, 32, 32, dear)
-    assert not choice.drafting
-    assert choice.probe_wait == pytest.approx(1.5 / PROBE_SHARE, abs=1)
-    state = {"drafting": True, "wait": 4, "run": 0, "probe_in": 0, "widest": 8}
-    after_choice(state, choice)
-    assert state["probe_in"] == choice.probe_wait and state["wait"] == 8
+    assert probe_wait(dear, 32, 32) == pytest.approx(1.5 / PROBE_SHARE, abs=1)
     cheap = costs_of({32: 2.0, 64: 2.0}, {32: 0.01}, {32: 0.0})
-    assert choose_nodes(np.zeros((32, 8)), 32, 32, cheap).probe_wait <= 1
-    after_choice(state, choose_nodes(np.zeros((32, 8)), 32, 32, cheap))
-    assert state["probe_in"] == 8  # the back-off's
-    ruinous = costs_of({32: 2.0, 64: 2.0}, {32: 1e6}, {32: 0.0})
-    assert choose_nodes(acceptance, 32, 32, ruinous).probe_wait == MAX_PROBE_WAIT
-    assert choose_nodes(np.full((32, 8), 0.9), 32, 32, cheap).probe_wait == 0  # drafting
-    # A close call (drafting within RESUME_MARGIN of pausing) waits as the back-off says.
+    assert probe_wait(cheap, 32, 32) <= 1
+    assert probe_wait(costs_of({32: 2.0}, {32: 1e6}, {32: 0.0}), 32, 32) == MAX_PROBE_WAIT
+    lost = choose_nodes(np.full((32, 8), 0.01), 32, 32, dear)
+    assert not lost.drafting and lost.lost_clearly
     close = choose_nodes(np.full((32, 8), 0.17), 32, 32, dear)  # 15.1 tokens/ms vs 16
-    assert not close.drafting and close.probe_wait == 0
+    assert not close.drafting and not close.lost_clearly
+    assert not choose_nodes(np.full((32, 8), 0.9), 32, 32, dear).lost_clearly  # drafting
+
+
+def test_a_clearly_lost_pause_probes_once_the_curves_allow_it() -> None:
+    """Paused where drafting lost clearly: the back-off ends at 4 steps, but the probe waits
+    for probe_wait (read then, and again at most the back-off's wait later); when the
+    curves turn cheap (drafting pays again) it probes at the next look. A close call
+    probes when its back-off ends."""
+    state = drafter_state(64)
+    after_choice(state, Choice(np.zeros(8, dtype=np.int32), False, 0.0, True))
+    waits = iter([150] * 3 + [0])
+    looks = []
+
+    def wait() -> int:
+        looks.append(state["paused_for"])
+        return next(waits)
+
+    steps = 1
+    while not probes_now(state, 8, wait):
+        steps += 1
+    assert steps == 28 and looks == [4, 12, 20, 28]  # back-off 4, then 8 each
+    state = drafter_state(64)
+    after_choice(state, Choice(np.zeros(8, dtype=np.int32), False, 0.0, False))
+    assert [probes_now(state, 8, lambda: 150) for _ in range(4)] == [False] * 3 + [True]
 
 
 def test_a_paused_drafter_probes_when_its_wait_ends_or_the_batch_halves() -> None:
@@ -163,11 +181,11 @@ def test_a_paused_drafter_probes_when_its_wait_ends_or_the_batch_halves() -> Non
              "paused_reqs": 0}
     after_choice(state, Choice(np.zeros(32, dtype=np.int32), False, 0.0))
     assert (state["paused_reqs"], state["probe_in"]) == (32, 16)
-    probed = [probes_now(state, 20) for _ in range(16)]
+    probed = [probes_now(state, 20, lambda: 0) for _ in range(16)]
     assert probed == [False] * 15 + [True] and state["probe"] and state["drafting"]
     assert state["wait"] == 32
     after_choice(state, Choice(np.zeros(32, dtype=np.int32), False, 0.0))
-    assert [probes_now(state, n) for n in (30, 17, 16)] == [False, False, True]
+    assert [probes_now(state, n, lambda: 0) for n in (30, 17, 16)] == [False, False, True]
     assert state["wait"] == 4 and state["widest"] == 8
 
 

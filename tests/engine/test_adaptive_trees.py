@@ -89,9 +89,11 @@ def test_sized_trees_are_lossless_deep_and_off_the_spine(alone: dict, drafter: s
 
 @pytest.mark.slow
 def test_a_paused_drafter_resumes_with_its_context_right(alone: dict) -> None:
-    """Drafting pays, then costs 100 ms a step (the drafter pauses: drafts are verified only
-    when it probes), then pays again: output stays the target's, and after the pause trees
-    are accepted as deep as before it (DFlash's context was stored through the pause)."""
+    """Drafting pays, then costs 100 ms a step (the drafter pauses, and a probe would cost
+    about 20 paused steps: none comes while it does), then pays again (the next look at
+    the curves, at most a back-off later, probes and drafting resumes): output stays the
+    target's, and after the pause trees are accepted as deep as before it (DFlash's
+    context was stored through the pause)."""
     from engine_helpers import pause_and_resume
     from vllm import SamplingParams
 
@@ -103,10 +105,11 @@ def test_a_paused_drafter_resumes_with_its_context_right(alone: dict) -> None:
                                             costs(per_token_ms=0.01, draft_ms=100.0))
     after = sizing.stats()
     assert done == {p: t[:60] for p, t in target_alone(PROMPTS, 60).items()}
-    assert paused["paused_steps"] >= 10 and paused["probes"] >= 1, paused
+    assert paused["paused_steps"] >= 10 and paused["probes"] == before["probes"], paused
     # While paused, a step verifies drafts only after a probe (and the first, which
     # decided to pause).
-    assert paused["steps"] - before["steps"] <= paused["probes"] - before["probes"] + 1
+    assert paused["steps"] - before["steps"] <= 1
+    assert after["probes"] > paused["probes"], after
     resumed = after["steps"] - paused["steps"]
     accepted = after["realized"] - paused["realized"]
     assert resumed > 0 and accepted / resumed >= 0.8 * before["realized"] / before["steps"]
@@ -165,7 +168,9 @@ def test_measured_costs_are_profiled_then_kept_current() -> None:
     sizes = [n for n, _ in measured["verify_ms_by_tokens"]]
     assert {1, 2, 4} <= set(sizes) and all(ms > 0 for _, ms in measured["verify_ms_by_tokens"])
     assert measured["draft_ms_by_requests"] and measured["paused_draft_ms_by_requests"]
-    assert measured["rest_ms"]["drafting"] is not None  # only served steps measure it
+    # Only served steps measure the rest of a step's period (drafting, or paused where
+    # drafting lost: a probe may then come only after this short run).
+    assert any(ms is not None for ms in measured["rest_ms"].values()), measured
 
 
 @pytest.mark.slow

@@ -19,16 +19,17 @@ When not drafting at all beats the best ``k`` (the drafter's cost saved too), th
 verifies nothing and the drafter pauses: it still stores the committed tokens' context
 (``DDTreeSpeculator._store_context``), so its context is right when it drafts again; the
 scheduler is told to schedule no drafts (``drafts_to_schedule``); and it probes (drafts one
-tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused steps, and
-never so often that probes take more than PROBE_SHARE of the paused time by the curves,
-the back-off restarting only after 8 drafting steps in a row, or at once when the batch
-has shrunk to half the requests it paused with.
+tree, whose best nodes the next step verifies) after 4, 8, ... up to 64 paused steps, and,
+where drafting lost clearly, not before probes would take at most PROBE_SHARE of the pause's
+time by the curves as they are then; the back-off restarting only after 8 drafting steps in
+a row, or at once when the batch has shrunk to half the requests it paused with.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ DRAFTED_TO_RESET = 8  # drafting steps in a row after which the probes' back-off
 # The most of a pause's time its probes take, by the curves: a probe step over a paused one
 # sets the least wait (a CPU's probe at 32 requests costs about 2.5 paused steps: 150).
 PROBE_SHARE = 0.01
-MAX_PROBE_WAIT = 1024  # paused steps: a cost estimate gone wrong must not end probing
+MAX_PROBE_WAIT = 256  # paused steps: a drafting cost overestimated is corrected by probes
 PROBE_WIDTH = 8  # the widest tree a probe verifies, as drafts_to_schedule reads it
 # How much faster drafting must look than pausing for a probe to resume it: the estimates
 # are noisy (a CPU's step times vary by 10% and more), and a resumption that does not pay
@@ -58,7 +59,7 @@ class Choice:
     nodes: np.ndarray  # [R] nodes each request verifies
     drafting: bool  # whether the drafter drafts trees for the next step
     predicted: float  # expected accepted drafts
-    probe_wait: int = 0  # paused, the fewest steps before a probe (PROBE_SHARE)
+    lost_clearly: bool = False  # paused, drafting lost by more than RESUME_MARGIN
 
 
 def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
@@ -68,10 +69,8 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
     ``explore`` (a probe's drafts) the best count of 1 to R nodes is verified even when
     pausing wins, so that the calibration learns from the target what a paused drafter
     would never see, at about the cost of a chain step; drafting resumes only when it
-    beats pausing by ``RESUME_MARGIN``. Paused, where drafting loses by more than that
-    margin, the choice carries the fewest paused steps that keep a probe (drafting,
-    verifying a node a request) within PROBE_SHARE of the pause's time; a close call is
-    probed again as the back-off says."""
+    beats pausing by ``RESUME_MARGIN``; a pause says whether drafting lost by more than
+    that (its probes then wait for ``probe_wait``)."""
     num_reqs, width = acceptance.shape
     flat = acceptance.ravel()
     order = np.argsort(-flat, kind="stable")  # ties keep node order: prefixes
@@ -80,26 +79,33 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
     counts = num_non_draft + np.arange(len(gains))
     rate = gains / costs.step_ms(counts, num_reqs, drafting=True)
     best = int(np.argmax(rate))
-    paused_ms = costs.step_ms(counts[:1], num_reqs, drafting=False)[0]
-    paused = num_sampling / paused_ms
+    paused = num_sampling / costs.step_ms(counts[:1], num_reqs, drafting=False)[0]
     drafting = best > 0 and rate[best] > paused * (1 + RESUME_MARGIN * explore)
     if not drafting:
         best = 1 + int(np.argmax(rate[1:num_reqs + 1])) if explore and len(rate) > 1 else 0
     nodes = np.bincount(order[:best] // width, minlength=num_reqs).astype(np.int32)
-    wait = 0
-    if not drafting and rate.max() * (1 + RESUME_MARGIN) < paused:
-        probe = costs.step_ms(counts[:1] + num_reqs, num_reqs, drafting=True)[0]
-        wait = min(math.ceil(max(probe / paused_ms - 1, 0.0) / PROBE_SHARE), MAX_PROBE_WAIT)
-    return Choice(nodes, drafting, float(gains[best] - num_sampling), wait)
+    lost = not drafting and rate.max() * (1 + RESUME_MARGIN) < paused
+    return Choice(nodes, drafting, float(gains[best] - num_sampling), bool(lost))
+
+
+def probe_wait(costs: StepCosts, num_tokens: int, num_reqs: int) -> int:
+    """The fewest paused steps that keep a probe (a drafting step verifying a node a
+    request) within PROBE_SHARE of a pause's time, by the curves (at most MAX_PROBE_WAIT)."""
+    tokens = np.array([num_tokens, num_tokens + num_reqs])
+    paused = costs.step_ms(tokens[:1], num_reqs, drafting=False)[0]
+    probe = costs.step_ms(tokens[1:], num_reqs, drafting=True)[0]
+    return min(math.ceil(max(probe / paused - 1, 0.0) / PROBE_SHARE), MAX_PROBE_WAIT)
 
 
 def drafter_state(budget: int) -> dict[str, Any]:
     """The drafter's state that the choices move (after_choice, probes_now): drafting or
     paused, probing, the most nodes a request verified last, while paused the steps until a
-    probe, the next pause's wait and the requests it paused with; drafting, the steps it
+    probe (or a look at probe_wait), the steps paused so far, whether drafting lost
+    clearly, the next pause's wait and the requests it paused with; drafting, the steps it
     has drafted in a row."""
     return {"drafting": True, "probe": False, "widest": budget, "probe_in": 0,
-            "wait": PROBE_AFTER[0], "run": 0, "paused_reqs": 0}
+            "paused_for": 0, "lost_clearly": False, "wait": PROBE_AFTER[0], "run": 0,
+            "paused_reqs": 0}
 
 
 def drafts_width(widest: int, width: int, share: int) -> int:
@@ -117,29 +123,39 @@ def node_acceptance(calibration: AcceptanceCalibration, logprobs: np.ndarray,
 
 def after_choice(state: dict[str, Any], choice: Choice) -> None:
     """The drafter's state after a step's choice: drafting, or paused until a probe. Each
-    pause waits twice as long as the one before (to PROBE_AFTER's cap), and at least the
-    choice's ``probe_wait``; drafting DRAFTED_TO_RESET steps in a row restarts the
-    back-off (a resumption that soon pauses again keeps it)."""
+    pause waits twice as long as the one before (to PROBE_AFTER's cap); drafting
+    DRAFTED_TO_RESET steps in a row restarts the back-off (a resumption that soon pauses
+    again keeps it)."""
     if choice.drafting:
         run = state["run"] + 1
         state.update(drafting=True, run=run, widest=int(choice.nodes.max(initial=0)))
         if run >= DRAFTED_TO_RESET:
             state["wait"] = PROBE_AFTER[0]
     else:
-        state.update(drafting=False, probe_in=max(state["wait"], choice.probe_wait), run=0,
+        state.update(drafting=False, probe_in=state["wait"], run=0, paused_for=0,
+                     lost_clearly=choice.lost_clearly,
                      wait=min(2 * state["wait"], PROBE_AFTER[1]),
                      paused_reqs=len(choice.nodes))
 
 
-def probes_now(state: dict[str, Any], num_reqs: int) -> bool:
-    """A paused step: whether the drafter drafts again (a probe) at its end: its wait is
-    over, or the batch has shrunk to half the requests it paused with or fewer (a node
-    costs a smaller batch less, so drafting may pay again; the back-off restarts)."""
+def probes_now(state: dict[str, Any], num_reqs: int, wait: Callable[[], int]) -> bool:
+    """A paused step: whether the drafter drafts again (a probe) at its end: its back-off
+    is over and, where drafting lost clearly, the pause has lasted ``wait()`` steps
+    (probe_wait by the curves as they are now: read when the back-off ends, then at most
+    its wait later, so that cheaper costs are seen); or the batch has shrunk to half the
+    requests it paused with or fewer (a node costs a smaller batch less, so drafting may
+    pay again; the back-off restarts)."""
     state["probe_in"] -= 1
+    state["paused_for"] += 1
     shrunk = 2 * num_reqs <= state["paused_reqs"]
-    if state["probe_in"] > 0 and not shrunk:
-        return False
-    if shrunk:
+    if not shrunk:
+        if state["probe_in"] > 0:
+            return False
+        need = wait() - state["paused_for"] if state["lost_clearly"] else 0
+        if need > 0:
+            state["probe_in"] = min(need, state["wait"])
+            return False
+    else:
         state["wait"] = PROBE_AFTER[0]
     state.update(drafting=True, probe=True, widest=PROBE_WIDTH)
     return True
@@ -305,7 +321,10 @@ class AdaptiveTreeSizing:
         state["probe"] = False
         if not state["drafting"] and state["profiled"]:
             self.counters["paused_steps"] += 1
-            self.counters["probes"] += probes_now(state, input_batch.num_reqs)
+            self.counters["probes"] += probes_now(
+                state, input_batch.num_reqs,
+                lambda: probe_wait(self.timer.costs, input_batch.num_tokens,
+                                   input_batch.num_reqs))
         predicted, self._predicted = self._predicted, None
         self.timer.drafter_start(input_batch.num_tokens, input_batch.num_reqs,
                                  state["drafting"], predicted)

@@ -41,14 +41,7 @@ def price_out_the_drafter(llm) -> None:  # noqa: ANN001
     """Adaptive trees whose drafter costs 1e5 ms a step: no draft ever pays."""
     from vllm_ddtree.spec_decode.adaptive.costs import StepCosts
 
-    costs = StepCosts()
-    for n in (1, 1 << 16):
-        costs.verify.add(n, 1.0, trusted=True)
-        costs.draft.add(n, 1e5, trusted=True)
-        costs.paused_draft.add(n, 0.01, trusted=True)
-    costs.rest_ms = {True: 0.0, False: 0.0}
-    sizing = runner_of(llm).adaptive_verification
-    sizing.state["profiled"], sizing.timer.learn, sizing.timer.costs = True, False, costs
+    runner_of(llm).adaptive_verification.fix_costs(StepCosts.flat(1.0, 1e5))
 
 
 def native_cpu_attention() -> None:

@@ -291,13 +291,7 @@ def record_main(args: argparse.Namespace) -> int:
         spec["tree_build"] = "jetspec"
     llm = tiny_engine(args.pair, spec, args.concurrency)
     sizing = runner_of(llm).adaptive_verification
-    flat = StepCosts()  # a node costs nothing: every drafted node is verified
-    for n in (1, 1 << 16):
-        flat.verify.add(n, 5.0, trusted=True)
-        flat.draft.add(n, 0.01, trusted=True)
-        flat.paused_draft.add(n, 0.01, trusted=True)
-    flat.rest_ms = {True: 0.0, False: 0.0}
-    sizing.state["profiled"], sizing.timer.learn, sizing.timer.costs = True, False, flat
+    sizing.fix_costs(StepCosts.flat(5.0, 0.01))  # a node costs nothing: all verified
     scores_rows, path_rows = [], []
     observe = sizing.observe
 

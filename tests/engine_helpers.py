@@ -101,9 +101,7 @@ def pause_and_resume(llm, sizing, prompts: list[str], params, pause_at: int,  # 
 def use_step_costs(runner, step_costs) -> object:  # noqa: ANN001
     """The runner's adaptive trees read ``step_costs``, not measured ones, from now on."""
     sizing = runner.adaptive_verification
-    sizing.state["profiled"] = True
-    sizing.timer.learn = False
-    sizing.timer.costs = step_costs
+    sizing.fix_costs(step_costs)
     return sizing
 
 

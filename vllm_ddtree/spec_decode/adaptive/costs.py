@@ -126,6 +126,19 @@ class StepCosts:
         elif ms <= OUTLIER * max(old, 0.25):  # an idle server is no step's cost
             self.rest_ms[drafting] = max(old + SMOOTHING * (ms - old), 0.0)
 
+    @classmethod
+    def flat(cls, verify_ms: float, draft_ms: float,
+             paused_draft_ms: float = 0.01) -> StepCosts:
+        """Costs set by hand, the same at every size, nothing else in a step (benchmarks
+        that fix the choice's prices: ``AdaptiveTreeSizing.fix_costs``)."""
+        costs = cls()
+        for n in (1, 1 << 16):
+            costs.verify.add(n, verify_ms, trusted=True)
+            costs.draft.add(n, draft_ms, trusted=True)
+            costs.paused_draft.add(n, paused_draft_ms, trusted=True)
+        costs.rest_ms = {True: 0.0, False: 0.0}
+        return costs
+
     @property
     def ready(self) -> bool:
         return bool(self.verify) and bool(self.draft)

@@ -40,8 +40,9 @@ VLLM_IDLE = "dflash, drafting nothing"
 def price_out_the_drafter(llm) -> None:  # noqa: ANN001
     """Adaptive trees whose drafter costs 1e5 ms a step: no draft ever pays."""
     from vllm_ddtree.spec_decode.adaptive.costs import StepCosts
+    from vllm_ddtree.spec_decode.adaptive.sizing import fix_costs
 
-    runner_of(llm).adaptive_verification.fix_costs(StepCosts.flat(1.0, 1e5))
+    fix_costs(runner_of(llm).adaptive_verification, StepCosts.flat(1.0, 1e5))
 
 
 def native_cpu_attention() -> None:

@@ -47,6 +47,7 @@ from vllm_ddtree.spec_decode.adaptive.sizing import (  # noqa: E402
     choose_nodes,
     drafter_state,
     drafts_width,
+    fix_costs,
     node_acceptance,
     probe_wait,
     probes_now,
@@ -291,7 +292,7 @@ def record_main(args: argparse.Namespace) -> int:
         spec["tree_build"] = "jetspec"
     llm = tiny_engine(args.pair, spec, args.concurrency)
     sizing = runner_of(llm).adaptive_verification
-    sizing.fix_costs(StepCosts.flat(5.0, 0.01))  # a node costs nothing: all verified
+    fix_costs(sizing, StepCosts.flat(5.0, 0.01))  # a node costs nothing: all verified
     scores_rows, path_rows = [], []
     observe = sizing.observe
 

@@ -100,8 +100,10 @@ def pause_and_resume(llm, sizing, prompts: list[str], params, pause_at: int,  # 
 
 def use_step_costs(runner, step_costs) -> object:  # noqa: ANN001
     """The runner's adaptive trees read ``step_costs``, not measured ones, from now on."""
+    from vllm_ddtree.spec_decode.adaptive.sizing import fix_costs
+
     sizing = runner.adaptive_verification
-    sizing.fix_costs(step_costs)
+    fix_costs(sizing, step_costs)
     return sizing
 
 

@@ -130,7 +130,7 @@ class StepCosts:
     def flat(cls, verify_ms: float, draft_ms: float,
              paused_draft_ms: float = 0.01) -> StepCosts:
         """Costs set by hand, the same at every size, nothing else in a step (benchmarks
-        that fix the choice's prices: ``AdaptiveTreeSizing.fix_costs``)."""
+        that fix the choice's prices: ``sizing.fix_costs``)."""
         costs = cls()
         for n in (1, 1 << 16):
             costs.verify.add(n, verify_ms, trusted=True)

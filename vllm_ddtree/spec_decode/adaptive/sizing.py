@@ -247,13 +247,6 @@ class AdaptiveTreeSizing:
         self.trees.restore(saved)
         self.timer.costs = self._tp.broadcast_object(self.timer.costs, src=0)
 
-    def fix_costs(self, costs: StepCosts) -> None:
-        """The choices read ``costs`` from now on: no start-up profile, nothing learned
-        (benchmarks and tests that set the step's prices)."""
-        self.state["profiled"] = True
-        self.timer.learn = False
-        self.timer.costs = costs
-
     def get_num_tokens(self, num_tokens_per_req: dict[str, int],
                        draft_tokens: dict[str, list[int]]) -> int:
         """The step's token count; the per-request node counts kept for compact_batch."""
@@ -384,6 +377,14 @@ class AdaptiveTreeSizing:
         c["costs"] = self.timer.costs.summary()
         c["calibration"] = [round(float(r), 4) for r in self.calibration.rates()[:16]]
         return c
+
+
+def fix_costs(sizing: AdaptiveTreeSizing, costs: StepCosts) -> None:
+    """The sizing's choices read ``costs`` from now on: no start-up profile, nothing
+    learned (benchmarks and tests that set the step's prices)."""
+    sizing.state["profiled"] = True
+    sizing.timer.learn = False
+    sizing.timer.costs = costs
 
 
 def _log_interval() -> float:

@@ -12,6 +12,12 @@ speculation, in one run (engines held at once, passes interleaved, tokens/s the 
 - ``dflash, drafting nothing``: vLLM's own DFlash with ``num_speculative_tokens_per_batch_size``
   giving 0 drafts at every batch size: what vLLM's speculative path costs when idle.
 
+The held-paused row also gives the time its passes spent keeping the drafter's context
+(DFlash's fc over the target's aux hidden states and the context K/V projected from it, for
+every committed token, prompts included: what keeps the context right across a pause) as a
+share of no speculation's pass, and the ceiling that alone sets: no speculation's time over
+the two summed, the best a paused engine could do were the rest of its step free.
+
 Synthetic costs for the held-paused mode (said on its row); the outputs are real and must
 equal no speculation's (greedy). Writes OUT/paused-floor.md and .json.
 
@@ -55,6 +61,39 @@ def native_cpu_attention() -> None:
     _cached_get_attn_backend.cache_clear()
 
 
+class ContextTimer:
+    """Seconds the held-paused engine's drafter spends keeping its context, per pass: its
+    paused steps' ``_store_context`` (queueing, DFlash's fc over the aux layers, the K/V
+    projection) and any other store of queued rows (a probe's flush)."""
+
+    def __init__(self, llm) -> None:  # noqa: ANN001
+        speculator = runner_of(llm).speculator
+        self.seconds, self._depth = 0.0, 0
+        self.device = speculator.device
+        for name in ("_store_context", "_store_context_kv"):
+            setattr(speculator, name, self._timed(getattr(speculator, name)))
+
+    def _timed(self, fn):  # noqa: ANN001, ANN202
+        def timed(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                fn(*args, **kwargs)
+                if self.device.type == "cuda":
+                    import torch
+
+                    torch.cuda.synchronize()
+            finally:
+                self._depth -= 1
+            if not self._depth:  # the outermost call only
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 def engines(args: argparse.Namespace, concurrency: int) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -85,16 +124,23 @@ def run(args: argparse.Namespace, concurrency: int, prompts: list) -> list[dict]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     llms = engines(args, concurrency)
+    context = ContextTimer(llms[HELD_PAUSED])
     rates: dict[str, list[float]] = {name: [] for name in llms}
+    seconds: dict[str, list[float]] = {name: [] for name in llms}
+    storing: list[float] = []
     outputs: dict[str, list] = {}
     for i in range(args.repeats + 1):  # a first untimed pass each
         for name, llm in llms.items():
+            context.take()
             t0 = time.perf_counter()
             res = llm.generate(requests, params, use_tqdm=False)
             dt = time.perf_counter() - t0
             outputs[name] = [list(r.outputs[0].token_ids) for r in res]
             if i:
                 rates[name].append(sum(len(o) for o in outputs[name]) / dt)
+                seconds[name].append(dt)
+                if name == HELD_PAUSED:
+                    storing.append(context.take())
     stats = runner_of(llms[HELD_PAUSED]).adaptive_verification.stats()
     none = statistics.median(rates["none"])
     rows = [{"mode": name, "concurrency": concurrency,
@@ -102,6 +148,9 @@ def run(args: argparse.Namespace, concurrency: int, prompts: list) -> list[dict]
              "x_none": statistics.median(r) / none,
              "same_output": outputs[name] == outputs["none"]} for name, r in rates.items()]
     rows[-1]["adaptive"] = {k: stats[k] for k in ("steps", "paused_steps", "probes")}
+    none_s, store_s = statistics.median(seconds["none"]), statistics.median(storing)
+    rows[-1]["context_share"] = store_s / none_s
+    rows[-1]["context_ceiling"] = none_s / (none_s + store_s)
     del llms
     gc.collect()
     return rows
@@ -109,14 +158,17 @@ def run(args: argparse.Namespace, concurrency: int, prompts: list) -> list[dict]
 
 def markdown(rows: list[dict], command: str) -> str:
     lines = [f"`{command}`", "",
-             "| mode | conc. | tok/s | x none | paused steps (probes) | greedy output |",
-             "|---|---|---|---|---|---|"]
+             "| mode | conc. | tok/s | x none | paused steps (probes) | storing the context, "
+             "x none's time | ceiling it sets, x none | greedy output |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a = r.get("adaptive")
         paused = f"{a['paused_steps']} ({a['probes']})" if a else "-"
         mode = r["mode"] + (" (synthetic costs: the drafter priced out)" if a else "")
+        share, ceiling = (f"{r['context_share']:.3f}", f"{r['context_ceiling']:.3f}x") if a \
+            else ("-", "-")
         lines.append(f"| {mode} | {r['concurrency']} | {r['tokens_per_s']:,.1f} | "
-                     f"{r['x_none']:.3f}x | {paused} | "
+                     f"{r['x_none']:.3f}x | {paused} | {share} | {ceiling} | "
                      f"{'same as none' if r['same_output'] else 'DIFFERS'} |")
     return "\n".join(lines) + "\n"
 

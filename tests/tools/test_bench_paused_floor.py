@@ -37,5 +37,8 @@ def test_the_paused_floor_side_by_side(tiny_models: Path, tmp_path: Path) -> Non
     held = rows[2]["adaptive"]
     # Three passes of 2 waves of 12 tokens: paused but for the warm-up's verify steps.
     assert held["paused_steps"] > 50 and held["probes"] <= 1 and held["steps"] <= 4
+    # Its passes stored the drafter's context (every committed token's K/V): timed.
+    assert 0 < rows[2]["context_share"] < 1
+    assert rows[2]["context_ceiling"] == pytest.approx(1 / (1 + rows[2]["context_share"]))
     table = (out / "paused-floor.md").read_text()
     assert "held paused (synthetic costs: the drafter priced out) | 2 |" in table

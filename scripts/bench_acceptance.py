@@ -129,6 +129,17 @@ def runner_of(llm):
         .model_runner
 
 
+def native_cpu_attention() -> None:
+    """vLLM's own CPU_ATTN for the engines started from now on: a ddtree engine's start in
+    this process (an earlier concurrency's) made CPU_ATTN TREE_ATTN's CPU implementation
+    (which runs CPU_ATTN for engines without trees, through one more dispatch)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    _cached_get_attn_backend.cache_clear()
+
+
 def install_timers(llm, timers: StepTimers) -> None:
     import vllm_ddtree.ops
     from vllm_ddtree.spec_decode.verifier import TreeVerifier
@@ -296,7 +307,9 @@ def run_modes(args, runs: list[tuple[str, dict | None]], prompts: list,
     """The modes one after another, or with ``--interleave`` every mode's engine at once
     and their timed passes in turn (round-robin), so that a machine whose speed drifts
     (a shared CPU) slows every mode alike. Engines without trees start first: a tree
-    engine's start on the CPU makes later engines' attention TREE_ATTN's."""
+    engine's start on the CPU makes later engines' attention TREE_ATTN's (undone here for
+    each concurrency's)."""
+    native_cpu_attention()
     if not args.interleave:
         out = []
         for name, spec in runs:

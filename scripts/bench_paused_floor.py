@@ -37,7 +37,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_acceptance import runner_of  # noqa: E402  (also sets the CPU's environment)
+from bench_acceptance import (  # noqa: E402  (also sets the CPU's environment)
+    native_cpu_attention,
+    runner_of,
+)
 
 HELD_PAUSED = "ddtree adaptive, held paused"
 VLLM_IDLE = "dflash, drafting nothing"
@@ -49,16 +52,6 @@ def price_out_the_drafter(llm) -> None:  # noqa: ANN001
     from vllm_ddtree.spec_decode.adaptive.sizing import fix_costs
 
     fix_costs(runner_of(llm).adaptive_verification, StepCosts.flat(1.0, 1e5))
-
-
-def native_cpu_attention() -> None:
-    """vLLM's own CPU_ATTN for the engines without trees: a ddtree engine's start in this
-    process (an earlier concurrency's) made CPU_ATTN TREE_ATTN's CPU implementation."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.attention.selector import _cached_get_attn_backend
-
-    AttentionBackendEnum.CPU_ATTN.clear_override()
-    _cached_get_attn_backend.cache_clear()
 
 
 class ContextTimer:

@@ -91,9 +91,8 @@ def choose_nodes(acceptance: np.ndarray, num_sampling: int, num_non_draft: int,
 def probe_wait(costs: StepCosts, num_tokens: int, num_reqs: int) -> int:
     """The fewest paused steps that keep a probe (a drafting step verifying a node a
     request) within PROBE_SHARE of a pause's time, by the curves (at most MAX_PROBE_WAIT)."""
-    tokens = np.array([num_tokens, num_tokens + num_reqs])
-    paused = costs.step_ms(tokens[:1], num_reqs, drafting=False)[0]
-    probe = costs.step_ms(tokens[1:], num_reqs, drafting=True)[0]
+    paused = costs.step_ms(np.array([num_tokens]), num_reqs, drafting=False)[0]
+    probe = costs.step_ms(np.array([num_tokens + num_reqs]), num_reqs, drafting=True)[0]
     return min(math.ceil(max(probe / paused - 1, 0.0) / PROBE_SHARE), MAX_PROBE_WAIT)
 
 

@@ -297,8 +297,9 @@ class JetSpecSpeculatorConfig(DDTreeSpeculatorConfig):
 
 
 def register() -> None:
-    """Both methods, by qualified name (imported when a config names them), and TREE_ATTN
-    as an attention backend of this platform (vLLM looks a layer's backend up by name)."""
+    """Both methods, by class (vLLM resolves a name registered as a string on every read of
+    ``speculator_config``, which its scheduler does every step), and TREE_ATTN as an
+    attention backend of this platform (vLLM looks a layer's backend up by name)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import register_backend
     from vllm.v1.worker.gpu.spec_decode.speculator_config import register_speculative_method
@@ -306,7 +307,7 @@ def register() -> None:
     from vllm_ddtree.attention import CPU_BACKEND_PATH, CUDA_BACKEND_PATH
 
     for config in (DDTreeSpeculatorConfig, JetSpecSpeculatorConfig):
-        register_speculative_method(config.method_name, f"{__name__}.{config.__name__}")
+        register_speculative_method(config.method_name, config)
     register_backend("TREE_ATTN",
                      CPU_BACKEND_PATH if current_platform.is_cpu() else CUDA_BACKEND_PATH)
 

@@ -35,7 +35,7 @@ class PausedContext:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.slots = torch.zeros(num_groups, rows, dtype=torch.int64, device=device)
         self.num_rows = 0
-        self._req_ids: set[str] = set()
+        self._req_ids: list[str] = []  # the requests of the rows queued last
 
     def add(self, states: list[torch.Tensor], positions: torch.Tensor,
             slots: list[torch.Tensor], req_ids: list[str], store: Store) -> None:
@@ -43,10 +43,12 @@ class PausedContext:
         dimension); stores the queue first when it is full or a request left the batch
         since the last step queued."""
         n = positions.shape[0]
-        current = set(req_ids)
-        if self.num_rows + n > self.states.shape[0] or not self._req_ids <= current:
+        changed = req_ids != self._req_ids  # most steps: the same batch (a list compared)
+        if (changed and not set(self._req_ids).issubset(req_ids)
+                or self.num_rows + n > self.states.shape[0]):
             self.flush(store)
-        self._req_ids = current
+        if changed:
+            self._req_ids = list(req_ids)
         if n > self.states.shape[0]:  # a step longer than the queue: stored at once
             store(self._combined(torch.cat(states, dim=-1)), positions, slots)
             return
@@ -61,7 +63,7 @@ class PausedContext:
         """``store(hidden states, positions, slots per group)`` for the queued rows, in
         order, in one call."""
         n, self.num_rows = self.num_rows, 0
-        self._req_ids = set()
+        self._req_ids = []
         if n:
             store(self._combined(self.states[:n]), self.positions[:n], list(self.slots[:, :n]))
 

@@ -207,7 +207,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.paused_context = PausedContext(
                 min(self.max_num_tokens, PAUSED_CONTEXT_ROWS), sum(p.shape[-1] for p in parts),
                 len(groups), parts[0].dtype, self.device, combine)
-        slots = [self.block_tables.slot_mappings[gid][:n] for gid in groups]
+        slots = [self.block_tables.slot_mappings[gid, :n] for gid in groups]
         self.paused_context.add(parts, input_batch.positions[:n], slots, input_batch.req_ids,
                                 self._store_context_kv)
 

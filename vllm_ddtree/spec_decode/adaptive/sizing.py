@@ -217,7 +217,8 @@ class AdaptiveTreeSizing:
         self.state = drafter_state(budget) | {"drafted": True, "profiled": False}
         self.counters = {"steps": 0, "paused_steps": 0, "nodes": 0, "min_nodes": None,
                          "max_nodes": 0, "predicted": 0.0, "probes": 0}
-        self._logged = time.monotonic()
+        # vLLM's stats interval read when logging, not every step (its envs are re-read).
+        self._log_due = time.monotonic() + _log_interval()
 
     def add_request(self, req_idx: int) -> None:
         self.scores.fill_row(req_idx, 0.0)  # untried: as sure as the drafter can be
@@ -346,8 +347,9 @@ class AdaptiveTreeSizing:
         self.calibration.host.publish()
         self.realized.publish()
         self.timer.step_end()
-        if time.monotonic() - self._logged >= _log_interval():
-            self._logged = time.monotonic()
+        now = time.monotonic()
+        if now >= self._log_due:
+            self._log_due = now + _log_interval()
             _log(self.counters, float(self.realized.latest()[0]), self.timer.costs)
 
     def observe(self, verdict: Any, input_batch: Any) -> None:

@@ -35,13 +35,19 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # timers reach the
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU only (the tiny pair: 0.2)
 
 
+# A second no-speculation engine: how far two identical engines' tokens/s differ in a run
+# (its resolution), not a mode compared with.
+CONTROL = "none (control)"
+
+
 def modes(drafter: str, budgets: list[int], depth: int, dynamic: Sequence[str] = (),
           max_reqs: int = 256, jetspec: str | None = None,
-          adaptive: Sequence[int] = ()) -> list[tuple[str, dict | None]]:
+          adaptive: Sequence[int] = (), control: bool = False) -> list[tuple[str, dict | None]]:
     """The modes of a run; with ``jetspec`` (a JetSpec head) also that head with JetSpec's
     build and with DDTree's best-first build, at every budget (spine on, as DDTree's); with
-    ``adaptive`` (caps) ddtree's adaptive trees, and the JetSpec head's, at each cap."""
-    out: list[tuple[str, dict | None]] = [("none", None), (
+    ``adaptive`` (caps) ddtree's adaptive trees, and the JetSpec head's, at each cap; with
+    ``control`` a second no-speculation engine (CONTROL), identical to the first."""
+    out: list[tuple[str, dict | None]] = [("none", None)] + [(CONTROL, None)] * control + [(
         "dflash", {"method": "dflash", "model": drafter, "num_speculative_tokens": depth})]
     for spine in (True, False):
         for b in budgets:
@@ -404,10 +410,11 @@ def adaptive_vs_best(results: list[dict]) -> list[str]:
         return []
     lines = ["", "Adaptive trees' tokens/s over the fastest other mode (named) and over no "
                  "speculation:", "", "| mode | conc. | fastest other | x fastest | x none | "
-                 "goal |", "|---|---|---|---|---|---|"]
+                 "goal | control x none |", "|---|---|---|---|---|---|---|"]
     for mode in adaptive:
         for c in concs:
-            others = {m: v for (m, cc), v in rate.items() if cc == c and "adaptive" not in m}
+            others = {m: v for (m, cc), v in rate.items()
+                      if cc == c and "adaptive" not in m and m != CONTROL}
             if (mode, c) not in rate or not others:
                 continue
             best = max(others, key=others.get)
@@ -415,11 +422,16 @@ def adaptive_vs_best(results: list[dict]) -> list[str]:
             x_none = rate[(mode, c)] / others["none"] if "none" in others else None
             met = x_best >= 0.97 and (not mode.startswith("jetspec") or c != concs[0]
                                       or (x_none or 0) >= 1.15)
+            control = rate[(CONTROL, c)] / others["none"] \
+                if (CONTROL, c) in rate and "none" in others else None
             lines.append(f"| {mode} | {c} | {best} | {x_best:.2f}x | "
                          + (f"{x_none:.2f}x" if x_none else "-")
-                         + f" | {'met' if met else 'not met'} |")
+                         + f" | {'met' if met else 'not met'} | "
+                         + (f"{control:.2f}x" if control else "-") + " |")
     return lines + ["", "Goals: >= 0.97x the fastest other mode at every concurrency; the "
-                        f"JetSpec head's >= 1.15x no speculation at concurrency {concs[0]}."]
+                        f"JetSpec head's >= 1.15x no speculation at concurrency {concs[0]}. "
+                        f"Control: {CONTROL}, a second engine identical to none's (where "
+                        "run): two identical engines differ by this much in the run."]
 
 
 def speed_vs_chain(results: list[dict]) -> list[str]:
@@ -515,6 +527,9 @@ def main() -> int:
     parser.add_argument("--adaptive", type=int, nargs="*", default=[], metavar="CAP",
                         help="also adaptive trees (enable_adaptive_verification) under each "
                              "cap (tree_budget)")
+    parser.add_argument("--control", action="store_true",
+                        help=f"also a second no-speculation engine ('{CONTROL}'), identical "
+                             "to the first: how far identical engines differ in the run")
     parser.add_argument("--modes", nargs="*", help="run only these modes (names as printed)")
     parser.add_argument("--regex", help="also run every mode with this regex as every "
                         "request's structured output (mode name + ' + regex'); chains are "
@@ -559,7 +574,7 @@ def main() -> int:
     results = []
     runs = [(name, spec) for name, spec in modes(
         args.drafter, args.budgets, block - 1, args.dynamic, max(args.concurrency),
-        args.jetspec_drafter, args.adaptive) if not args.modes or name in args.modes]
+        args.jetspec_drafter, args.adaptive, args.control) if not args.modes or name in args.modes]
     plain = list(runs)
     for suffix, option in CONSTRAINTS.items():  # each mode again under each constraint
         if getattr(args, option, None):

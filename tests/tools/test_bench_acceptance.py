@@ -88,6 +88,21 @@ def test_step_token_schedule_keeps_verify_steps_near_the_target() -> None:
         assert reqs * (lookup[reqs] + 1) <= max(64, 2 * reqs)
 
 
+def test_the_control_engine_is_not_a_mode_compared_with() -> None:
+    """--control: a second no-speculation engine; the adaptive verdicts never take it as
+    the fastest other mode, and report it over none (the run's resolution)."""
+    from bench_acceptance import CONTROL, adaptive_vs_best, modes
+
+    names = [name for name, _ in modes("d", [4], 7, control=True)]
+    assert names[:3] == ["none", CONTROL, "dflash"]
+    assert CONTROL not in [name for name, _ in modes("d", [4], 7)]
+    rate = {"none": 100.0, CONTROL: 110.0, "dflash": 80.0, "ddtree adaptive, cap 256": 99.0}
+    lines = adaptive_vs_best([{"mode": m, "concurrency": 1, "tokens_per_s": v}
+                              for m, v in rate.items()])
+    row = next(line for line in lines if line.startswith("| ddtree adaptive"))
+    assert row == "| ddtree adaptive, cap 256 | 1 | none | 0.99x | 0.99x | met | 1.10x |"
+
+
 @pytest.mark.slow
 def test_interleaved_modes_report_what_one_at_a_time_does(tiny_models: Path,
                                                           tmp_path: Path) -> None:

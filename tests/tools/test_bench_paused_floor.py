@@ -40,5 +40,11 @@ def test_the_paused_floor_side_by_side(tiny_models: Path, tmp_path: Path) -> Non
     # Its passes stored the drafter's context (every committed token's K/V): timed.
     assert 0 < rows[2]["context_share"] < 1
     assert rows[2]["context_ceiling"] == pytest.approx(1 / (1 + rows[2]["context_share"]))
+    # Each pass split into its steps' parts; only speculative engines draft.
+    assert all(0 < r["parts_ms"]["target forward"] < 1e3 * max(r["seconds_runs"])
+               for r in rows)
+    assert "drafting (the speculator's propose)" not in rows[0]["parts_ms"]
+    assert rows[2]["parts_ms"]["drafting (the speculator's propose)"] > 0
     table = (out / "paused-floor.md").read_text()
+    assert "| mode | conc. | schedule | inputs | target forward |" in table
     assert "held paused (synthetic costs: the drafter priced out) | 2 |" in table

@@ -7,7 +7,8 @@ as the rest of the step's overhead, so the rows' hidden states (the target's aux
 by side, not yet combined), positions and slots are queued here and stored in one call
 (``flush``) when the drafter drafts again, when the queue is full, and when a request left
 the batch (its blocks may go to another request, whose rows must land after the queued
-ones: one call writes a slot once).
+ones: one call writes a slot once). A departed request's rows are stored, not dropped: its
+full blocks stay in the prefix cache, and a request that hits them drafts from their K/V.
 """
 
 from __future__ import annotations

@@ -406,10 +406,10 @@ def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, fl
     statistics the binomial distribution puts around it (at least ``level``; with fewer
     than 6 values no pair reaches 95%, and the interval is their range)."""
     s, n = sorted(xs), len(xs)
-    below = lambda j: sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n  # noqa: E731
-    j = 1
-    while j < n // 2 and below(j) <= (1 - level) / 2:
+    j, below = 1, (1 + n) / 2 ** n  # P(fewer than j + 1 of n values below the median)
+    while j < n // 2 and below <= (1 - level) / 2:
         j += 1
+        below += math.comb(n, j) / 2 ** n
     return s[j - 1], s[n - j]
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from bench_acceptance import (  # noqa: E402  (also sets the CPU's environment)
+    StepTimers,
     native_cpu_attention,
     runner_of,
 )
@@ -93,7 +94,8 @@ class ContextTimer:
 
 class StepParts:
     """Seconds each engine's passes spend in the parts of its steps (the runner's and the
-    scheduler's calls), per pass: where a paused step's extra time goes."""
+    scheduler's calls, bench_acceptance's StepTimers), per pass: where a paused step's extra
+    time goes."""
 
     PARTS = {"schedule": ("scheduler", "schedule"),
              "inputs": ("runner", "prepare_inputs"),
@@ -108,22 +110,14 @@ class StepParts:
         owners = {"runner": runner, "model": runner.model,
                   "speculator": getattr(runner, "speculator", None),
                   "scheduler": llm.llm_engine.engine_core.engine_core.scheduler}
-        self.seconds: dict[str, float] = {}
+        self.timers = StepTimers(cuda=runner.device.type == "cuda")
         for part, (owner, attr) in self.PARTS.items():
-            if owners[owner] is not None:
-                setattr(owners[owner], attr, self._timed(part, getattr(owners[owner], attr)))
-
-    def _timed(self, part: str, fn):  # noqa: ANN001, ANN202
-        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
-        return timed
+            self.timers.wrap(owners[owner], attr, part)
+        self.timers.enabled = True
 
     def take(self) -> dict[str, float]:
-        seconds, self.seconds = self.seconds, {}
+        seconds = dict(self.timers.total)
+        self.timers.total.clear()
         return seconds
 
 

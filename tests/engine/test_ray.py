@@ -2,7 +2,7 @@
 multi-node deployments go), on this CPU: a local Ray cluster of two CPUs started by the
 test, one worker (a Ray actor) a rank, the target and drafter sharded over both (TP=2).
 Patch 0011 lets Ray place CPU workers, patch 0012 refuses a cluster too small at start-up.
-The tiny pair over Ray is in test_ddtree.py's tensor-parallel test (both executors). What
+The same checks over the multiprocessing executor, on the dense pair: test_ddtree.py. What
 a GPU cluster adds (several machines, NCCL, GPU placement) is not run here."""
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ PROMPTS = ["def fibonacci(n):", "import os\nclass Path", "The quick brown fox", 
 DDTREE = {"method": "ddtree", "model": str(PAIR / "drafter"), "tree_budget": 16}
 
 @pytest.mark.slow
-def test_a_hybrid_target_over_ray_is_lossless(tmp_path: Path) -> None:
+def test_a_hybrid_target_over_ray_is_lossless_and_the_ranks_agree(tmp_path: Path) -> None:
     """The tiny Qwen3-Next with a second (silent) GDN key head, so each rank holds one key
     and one value head: greedy output is the target's own with trees accepted deep (an
-    oracle drafter), and both ranks committed the accepted paths' GDN state."""
+    oracle drafter), and both ranks committed the accepted paths' GDN state; at temperature
+    1 both ranks take the same verdict at every verify step."""
     import make_tiny_models
 
     make_tiny_models.make_hybrid(tmp_path, seed=0, key_heads=2)
@@ -44,11 +45,13 @@ def test_a_hybrid_target_over_ray_is_lossless(tmp_path: Path) -> None:
     alone = run_tp2("ray", tmp_path, None, HYBRID_PROMPTS, MAX_TOKENS + 16, engine=engine)
     spec = {"method": "ddtree", "model": str(tmp_path / "drafter"), "tree_budget": 16}
     trees = run_tp2("ray", tmp_path, spec, HYBRID_PROMPTS, MAX_TOKENS, engine=engine,
-                         oracle=alone["greedy"])
+                    oracle=alone["greedy"], sample=True)
     assert trees["greedy"] == [tokens[:MAX_TOKENS] for tokens in alone["greedy"]]
     rank0, rank1 = trees["stats"]
     assert rank0 == rank1 and rank0["longest_accepted"] >= 3, trees["stats"]
     assert all(commits > 0 for commits in trees["gdn_commits"]), trees["gdn_commits"]
+    verdicts0, verdicts1 = trees["verdicts"]
+    assert len(verdicts0) > 3 and verdicts0 == verdicts1
 
 
 TOO_SMALL_SCRIPT = """
@@ -76,8 +79,12 @@ def test_a_ray_cluster_too_small_is_refused_at_start_up() -> None:
                           text=True, capture_output=True, timeout=300)
     refused = [x for x in done.stdout.splitlines() if x.startswith("REFUSED")]
     assert refused, done.stderr[-4000:]
-    assert re.search(r"after \d s: The Ray cluster has 1 CPU; 2 workers "
-                     r"\(tensor_parallel_size 2\) need one CPU each", refused[0]), refused
+    found = re.search(r"after (\d+) s: The Ray cluster has 1 CPU; 2 workers "
+                      r"\(tensor_parallel_size 2\) need one CPU each", refused[0])
+    assert found, refused
+    # The clock includes loading the config and tokenizer on a machine busy with other
+    # tests (14 s seen in CI); what it guards against is the placement group's 30 minutes.
+    assert int(found.group(1)) < 120, refused
 
 
 def test_pipeline_parallelism_under_ray_is_refused_by_name() -> None:

@@ -80,15 +80,27 @@ def test_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
     assert parallel + serial == case["num_reqs"]
 
 
+def assert_parallel_build_equals_cpu(emulated, threads: int, case) -> None:
+    # More than one warp: the block scan across warps, the strided loops.
+    with build_threads(emulated, threads) as taken:
+        assert_build_equals_cpu(emulated, case)
+        assert taken()[1] == 0 or case["ties"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("threads", [64, 256, 1024])
+@pytest.mark.parametrize("threads", [64, 256])
 @settings(max_examples=60, deadline=None)
 @given(case=build_cases())
 def test_parallel_build_at_several_block_widths(emulated_cuda_ops, threads, case) -> None:
-    # More than one warp: the block scan across warps, the strided loops.
-    with build_threads(emulated_cuda_ops, threads) as taken:
-        assert_build_equals_cpu(emulated_cuda_ops, case)
-        assert taken()[1] == 0 or case["ties"]
+    assert_parallel_build_equals_cpu(emulated_cuda_ops, threads, case)
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None)  # the emulator takes about 2 s a case at 1024
+@given(case=build_cases())
+def test_parallel_build_at_the_widest_block(emulated_cuda_ops, case) -> None:
+    """32 warps: the scan of the warps' sums fills a whole warp."""
+    assert_parallel_build_equals_cpu(emulated_cuda_ops, 1024, case)
 
 
 @pytest.mark.slow

@@ -7,10 +7,11 @@ method ddtree, and the compiled-op stand-in is chosen (no libcuda here), covers 
 CUDA path dereferences at import, has the compiled library's schemas and equals vLLM's
 native implementations.
 
-Heavy and slow (about 4 GB of downloads, cached in VLLM_DDTREE_CACHE; the bundle's xz takes
-about 2 minutes on 2 cores): marked slow. Without a GPU vLLM runs here on its CPU platform
-(VLLM_TARGET_DEVICE=cpu), and CUDA-only imports are checked with the CUDA platform forced
-and a stub libcuda that lets the compiled libraries load (nothing of them runs).
+Heavy and slow (about 4 GB of downloads, cached in VLLM_DDTREE_CACHE, and the bundle's xz
+about 2 minutes on 2 cores when the builder's code changed): marked slow. Without a GPU
+vLLM runs here on its CPU platform (VLLM_TARGET_DEVICE=cpu), and CUDA-only imports are
+checked with the CUDA platform forced and a stub libcuda that lets the compiled libraries
+load (nothing of them runs).
 """
 
 from __future__ import annotations
@@ -75,10 +76,22 @@ def h200_like_python() -> Path:
 
 
 @pytest.fixture(scope="session")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("gpu-bundle")
-    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bundle.py"), "--out",
-                    str(out)], check=True)
+def bundle() -> Path:
+    """Built into the cache under a name of the builder's code (the script and the staging
+    it packs for): after a change to either it builds afresh; otherwise the builder's own
+    check (every part there with its hash, the inputs' hashes unchanged) finds it up to
+    date, which spares the xz's two minutes a suite run. Older builds are removed."""
+    code = hashlib.sha256()
+    for source in [REPO / "scripts" / "gpu_bundle.py", *sorted(
+            (REPO / "gpu_machine").glob("*.py"))]:
+        code.update(source.read_bytes())
+    out = WHEEL_CACHE.parent / f"gpu-bundle-{code.hexdigest()[:12]}"
+    with cache_lock("gpu-bundle"):
+        for old in WHEEL_CACHE.parent.glob("gpu-bundle-*"):
+            if old.is_dir() and old != out:
+                shutil.rmtree(old, ignore_errors=True)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bundle.py"), "--out",
+                        str(out)], check=True)
     return out
 
 

@@ -205,24 +205,6 @@ def test_processed_and_structured_requests_are_cut_losslessly() -> None:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_ranks_choose_alike() -> None:
-    """Two ranks (worker processes) each size the step's trees: with the same costs and the
-    same verdicts they choose alike at every step (their whole adaptive stats equal, and
-    their verdicts at temperature 1), and greedy output is the target's own."""
-    from tensor_parallel import run_tp2
-
-    alone = run_tp2("mp", PAIR, None, PROMPTS, 32)
-    trees = run_tp2("mp", PAIR, adaptive_spec(cap=16), PROMPTS, 32, sample=True,
-                    costs=[0.01, 0.05])
-    assert trees["greedy"] == alone["greedy"]
-    rank0, rank1 = trees["stats"]
-    assert rank0 == rank1 and rank0["longest_accepted"] >= 3, trees["stats"]
-    assert 0 < rank0["adaptive"]["min_nodes"] < rank0["adaptive"]["max_nodes"], rank0
-    verdicts0, verdicts1 = trees["verdicts"]
-    assert len(verdicts0) > 3 and verdicts0 == verdicts1
-
-
-@pytest.mark.slow
 def test_a_paused_drafter_drafts_as_one_that_never_paused(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """While paused, the drafter stores each committed token's context itself (from the

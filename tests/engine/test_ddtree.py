@@ -320,19 +320,27 @@ def test_tensor_parallel_2_is_lossless_and_the_ranks_agree() -> None:
     target's own (the target alone over the same executor), with paths accepted 3+ nodes
     deep and off the spine on both ranks; at temperature 1 both ranks take the same verdict
     (accepted path, its length, the emitted tokens) at every verify step, so both compact
-    the same KV entries, and some paths are accepted."""
+    the same KV entries, and some paths are accepted. Adaptive trees too: with the same
+    costs and the same verdicts both ranks size every step alike (their whole adaptive
+    stats equal)."""
     from tensor_parallel import run_tp2
+    from test_adaptive_trees import adaptive_spec
 
     spec = tree_spec(tree_budget=16)
     alone = run_tp2("mp", PAIR, None, PROMPTS, 40)
     trees = run_tp2("mp", PAIR, spec, PROMPTS, 40, sample=True)
-    assert trees["greedy"] == alone["greedy"]
-    rank0, rank1 = trees["stats"]
-    assert rank0 == rank1 and rank0["longest_accepted"] >= 3, trees["stats"]
-    assert rank0["paths_off_the_index_line"] > 0, trees["stats"]
-    verdicts0, verdicts1 = trees["verdicts"]
-    assert len(verdicts0) > 3 and verdicts0 == verdicts1
-    assert any(n > 0 for _, accepted, _ in verdicts0 for n in accepted)
+    sized = run_tp2("mp", PAIR, adaptive_spec(cap=16), PROMPTS, 40, sample=True,
+                    costs=[0.01, 0.05])
+    for run in (trees, sized):
+        assert run["greedy"] == alone["greedy"]
+        rank0, rank1 = run["stats"]
+        assert rank0 == rank1 and rank0["longest_accepted"] >= 3, run["stats"]
+        verdicts0, verdicts1 = run["verdicts"]
+        assert len(verdicts0) > 3 and verdicts0 == verdicts1
+    assert trees["stats"][0]["paths_off_the_index_line"] > 0, trees["stats"]
+    assert any(n > 0 for _, accepted, _ in trees["verdicts"][0] for n in accepted)
+    chosen = sized["stats"][0]["adaptive"]
+    assert 0 < chosen["min_nodes"] < chosen["max_nodes"], chosen
 
 
 # The port's code that runs inside the decode step (on a GPU: inside or between graphs).

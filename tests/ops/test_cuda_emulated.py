@@ -69,7 +69,7 @@ def assert_build_equals_cpu(emulated, case) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.slow
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(case=build_cases())
 def test_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
     with build_threads(emulated_cuda_ops, 32) as taken:
@@ -89,7 +89,7 @@ def assert_parallel_build_equals_cpu(emulated, threads: int, case) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("threads", [64, 256])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(case=build_cases())
 def test_parallel_build_at_several_block_widths(emulated_cuda_ops, threads, case) -> None:
     assert_parallel_build_equals_cpu(emulated_cuda_ops, threads, case)
@@ -264,7 +264,7 @@ def assert_jetspec_build_equals_cpu(emulated, case) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(case=jetspec_cases())
 def test_jetspec_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
     with build_threads(emulated_cuda_ops, 32) as taken:
@@ -276,7 +276,7 @@ def test_jetspec_build_kernel_equals_cpu(emulated_cuda_ops, case) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("threads", [64, 256])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(case=jetspec_cases())
 def test_parallel_jetspec_build_at_several_block_widths(emulated_cuda_ops, threads,
                                                         case) -> None:

@@ -75,21 +75,29 @@ def h200_like_python() -> Path:
     return py
 
 
+def cache_entry(prefix: str, sources: list[Path]) -> Path:
+    """``<cache>/<prefix>-<hash of the sources' paths and bytes>``, the other entries of
+    ``prefix`` removed (call it holding ``cache_lock(prefix)``): what is built from these
+    sources is built again only when one of them changed."""
+    key = hashlib.sha256()
+    for source in sorted(p for p in sources if p.is_file()):
+        key.update(str(source.relative_to(REPO)).encode() + b"\0" + source.read_bytes())
+    entry = WHEEL_CACHE.parent / f"{prefix}-{key.hexdigest()[:12]}"
+    for old in WHEEL_CACHE.parent.glob(f"{prefix}-*"):
+        if old != entry:
+            shutil.rmtree(old, ignore_errors=True)
+    return entry
+
+
 @pytest.fixture(scope="session")
 def bundle() -> Path:
     """Built into the cache under a name of the builder's code (the script and the staging
     it packs for): after a change to either it builds afresh; otherwise the builder's own
     check (every part there with its hash, the inputs' hashes unchanged) finds it up to
-    date, which spares the xz's two minutes a suite run. Older builds are removed."""
-    code = hashlib.sha256()
-    for source in [REPO / "scripts" / "gpu_bundle.py", *sorted(
-            (REPO / "gpu_machine").glob("*.py"))]:
-        code.update(source.read_bytes())
-    out = WHEEL_CACHE.parent / f"gpu-bundle-{code.hexdigest()[:12]}"
+    date, which spares the xz's two minutes a suite run."""
     with cache_lock("gpu-bundle"):
-        for old in WHEEL_CACHE.parent.glob("gpu-bundle-*"):
-            if old.is_dir() and old != out:
-                shutil.rmtree(old, ignore_errors=True)
+        out = cache_entry("gpu-bundle", [REPO / "scripts" / "gpu_bundle.py",
+                                         *(REPO / "gpu_machine").glob("*.py")])
         subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bundle.py"), "--out",
                         str(out)], check=True)
     return out
@@ -142,27 +150,19 @@ def build_native_ops(py: str, venv: str, env: dict[str, str]) -> None:
     """``setup.py build_ext --inplace`` with the machine's Python (its ``_C`` beside this
     one's), the library cached under a name of the venv and the sources: built again only
     when csrc/ or setup.py changed (a minute on 2 cores)."""
-    key = hashlib.sha256()
-    for source in sorted([REPO / "setup.py", *(REPO / "csrc").rglob("*")]):
-        if source.is_file():
-            key.update(str(source.relative_to(REPO)).encode() + b"\0" + source.read_bytes())
-    cached = WHEEL_CACHE.parent / f"native-ops-{venv}-{key.hexdigest()[:12]}"
-    with cache_lock("native-ops"):
-        libraries = list(cached.glob("_C.*.so"))
-        if libraries:
-            for library in libraries:
-                shutil.copy2(library, REPO / "vllm_ddtree" / library.name)
+    suffix = run(Path(py), "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))",
+                 env).stdout.strip()
+    library = REPO / "vllm_ddtree" / f"_C{suffix}"
+    prefix = f"native-ops-{venv}"
+    with cache_lock(prefix):
+        cached = cache_entry(prefix, [REPO / "setup.py", *(REPO / "csrc").rglob("*")])
+        if (cached / library.name).is_file():
+            shutil.copy2(cached / library.name, library)
             return
         built = subprocess.run([py, "setup.py", "-q", "build_ext", "--inplace"], cwd=REPO,
                                env=env, capture_output=True, text=True)
         assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-3000:]  # say why
-        suffix = run(Path(py), "import sysconfig; print(sysconfig.get_config_var("
-                     "'EXT_SUFFIX'))", env).stdout.strip()
-        library = REPO / "vllm_ddtree" / f"_C{suffix}"
-        assert library.is_file(), f"the build wrote no {library.name}"
-        for old in WHEEL_CACHE.parent.glob(f"native-ops-{venv}-*"):
-            shutil.rmtree(old, ignore_errors=True)
-        cached.mkdir(parents=True)
+        cached.mkdir(parents=True, exist_ok=True)
         shutil.copy2(library, cached / library.name)
 
 
